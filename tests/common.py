@@ -1,0 +1,107 @@
+"""Shared by the distributed tests: the odd model, its data, and reference training loops.
+
+The odd model has every shape that breaks naive flattening: odd sizes such as (7, 15),
+a frozen parameter, an embedding tied to the output head, a 1-element parameter and a
+zero-initialised bias, arranged in `OddBlock`s so stage 3 can wrap them as units.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, DIM, HIDDEN, SEQ = 11, 7, 15, 5
+
+
+class OddBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(DIM, HIDDEN)  # weight (15, 7)
+        self.frozen = nn.Linear(HIDDEN, HIDDEN)  # never trained: no grad, master or state
+        self.frozen.requires_grad_(False)
+        self.fc2 = nn.Linear(HIDDEN, DIM)  # weight (7, 15)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.frozen(torch.tanh(self.fc1(x)))))
+
+
+class OddModel(nn.Module):
+    def __init__(self, num_blocks: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(OddBlock() for _ in range(num_blocks))
+        self.norm = nn.LayerNorm(DIM)
+        self.gain = nn.Parameter(torch.full((1,), 1.5))  # the 1-element parameter
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied: one Parameter, two names
+
+    def forward(self, idx, targets):
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = block(h)
+        logits = self.head(self.norm(h) * self.gain)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def odd_model(seed: int = 0) -> OddModel:
+    torch.manual_seed(seed)
+    return OddModel()
+
+
+def odd_batch(step: int, batch_size: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank r's rows of the global batch of `batch_size * world_size` rows for `step`."""
+    g = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(0, VOCAB, (batch_size * world_size, SEQ + 1), generator=g)
+    rows = data[rank * batch_size:(rank + 1) * batch_size]
+    return rows[:, :-1], rows[:, 1:]
+
+
+def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().clone() for k, v in module.state_dict().items()}
+
+
+def train_torch_ddp(rank: int, world_size: int, optimizer_cls, opt_kwargs: dict, steps: int, batch_size: int,
+                    seed: int = 0, clip: float | None = None):
+    """torch's own DistributedDataParallel: the reference every stage is measured against."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = odd_model(seed)
+    ddp = DDP(model) if world_size > 1 else model
+    opt = optimizer_cls([p for p in model.parameters() if p.requires_grad], **opt_kwargs)
+    losses = []
+    for step in range(steps):
+        x, y = odd_batch(step, batch_size, rank, world_size)
+        opt.zero_grad(set_to_none=True)
+        loss = ddp(x, y)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
+        opt.step()
+        losses.append(loss.detach().clone())
+    return torch.stack(losses), params_of(model)
+
+
+def train_zerokit(rank: int, world_size: int, stage: int, optimizer_cls, opt_kwargs: dict, steps: int,
+                  batch_size: int, seed: int = 0, clip: float | None = None, accumulate: int = 1, **shard_kwargs):
+    """The same loop through zk.shard; returns (losses, params, engine)."""
+    import zerokit as zk
+    model = odd_model(seed)
+    shard_kwargs.setdefault("wrap", (OddBlock,))
+    engine = zk.shard(model, optimizer_cls, stage=stage, **shard_kwargs, **opt_kwargs)
+    losses = []
+    for step in range(steps):
+        engine.zero_grad()
+        for micro in range(accumulate):
+            x, y = odd_batch(step * accumulate + micro, batch_size, rank, world_size)
+            last = micro == accumulate - 1
+            if last:
+                loss = engine(x, y)
+                engine.backward(loss / accumulate if accumulate > 1 else loss)
+            else:
+                with engine.no_sync():
+                    loss = engine(x, y)
+                    engine.backward(loss / accumulate)
+        if clip is not None:
+            engine.clip_grad_norm_(clip)
+        engine.step()
+        losses.append(loss.detach().float().clone())
+    return torch.stack(losses), engine.state_dict(full=True), engine

@@ -1,0 +1,4 @@
+"""Shared machinery: collectives, partition math, flat params, buckets, hooks, precision, memory.
+
+Stages import from here; nothing here imports a stage.
+"""

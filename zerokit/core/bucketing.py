@@ -1,0 +1,68 @@
+"""Buckets: which parameters' gradients travel together, and the queue of collectives in flight.
+
+A bucket is one `FlatParam` (see flat_param.py): its gradient buffer is the unit a
+stage hands to one collective. Small buckets start communicating early in backward
+(more overlap) but pay a per-collective latency; large ones amortise latency but start
+late. `bucket_numel` caps a bucket's elements (DDP's `bucket_cap_mb`, in elements).
+
+`plan_buckets` is pure index math (tested with hypothesis); `InFlight` keeps launched
+collectives in launch order so that a stage can bound how many full-size buffers are
+alive (stage 2 frees a bucket's gradient as soon as its reduce-scatter completes).
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+
+def plan_buckets(numels: list[int] | tuple[int, ...], bucket_numel: int) -> list[list[int]]:
+    """Group parameter indices into buckets, walking them in reverse registration order.
+
+    Gradients arrive roughly in reverse registration order during backward, so the
+    first bucket to fill holds the last parameters. Each bucket is a contiguous run of
+    indices (returned ascending, so a bucket's flat buffer keeps registration order)
+    whose numels sum to at most `bucket_numel`; a parameter larger than the cap gets a
+    bucket of its own. Every index appears in exactly one bucket.
+    """
+    if bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for i in reversed(range(len(numels))):
+        n = numels[i]
+        if current and filled + n > bucket_numel:
+            buckets.append(sorted(current))
+            current, filled = [], 0
+        current.append(i)
+        filled += n
+    if current:
+        buckets.append(sorted(current))
+    return buckets
+
+
+class InFlight:
+    """Launched collectives, oldest first; each with a callback run after it completes."""
+
+    def __init__(self):
+        self._queue: deque = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def push(self, handle, on_done: Callable[[], None] | None = None) -> None:
+        self._queue.append((handle, on_done))
+
+    def wait_oldest(self) -> None:
+        handle, on_done = self._queue.popleft()
+        handle.wait()  # CPU waits for this bucket's collective
+        if on_done is not None:
+            on_done()
+
+    def wait_until(self, max_in_flight: int) -> None:
+        """Wait for the oldest collectives until at most `max_in_flight` remain."""
+        while len(self._queue) > max_in_flight:
+            self.wait_oldest()
+
+    def wait_all(self) -> None:
+        self.wait_until(0)

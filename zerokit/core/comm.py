@@ -1,0 +1,276 @@
+"""The only module that calls `torch.distributed` collectives.
+
+Every stage talks to the other ranks through one `Comm` object. It owns:
+
+* the process group (passed explicitly; `None` means the default group, and no
+  initialised group at all means world size 1, where every collective is an identity);
+* the reduction recipe (see [Note: ordered reduction]);
+* logical byte counters in the ZeRO paper's accounting (see [Note: byte accounting]);
+* profiler labels (`zerokit::all_gather`, ...), so a trace names each collective once;
+* an optional *simulated* world: one process plays rank r of N, and collectives return
+  correctly shaped results computed locally, so memory can be measured for a rank of 64
+  on one machine.
+
+[Note: ordered reduction]
+A ring all-reduce sums an element's N contributions in an order that depends on where
+the element sits in the buffer and on the buffer's length. Two stages that reduce the
+same gradients through buffers of different extents (stage 0's buckets vs stage 3's
+units) therefore disagree in the last bit at 3+ ranks. With `ordered=True` a
+reduce-scatter is done as an all-to-all (rank r receives every rank's copy of its own
+range: the same (N-1)/N bytes a ring sends) followed by a local sum in rank order
+0, 1, ..., N-1; an all-reduce is that reduce-scatter followed by an all-gather. The
+result for an element then depends only on its N contributions, so every stage agrees
+bit for bit whatever its layout. Gradients are pre-multiplied by 1/N before the sum, as
+torch's DDP does, which makes world size 2 bitwise equal to DDP (a + b == b + a).
+`ordered=None` picks ordered on gloo (CPU: exactness is the point there) and the native
+collective on NCCL (speed is the point there).
+
+[Note: byte accounting]
+Counted per call, per kind, as the ZeRO paper does: an all-reduce of B bytes counts 2B
+(reduce-scatter + all-gather), a reduce-scatter its full input B, an all-gather its full
+output B, a broadcast B. `ring_factor` = (N-1)/N converts these to bytes a rank actually
+puts on the wire in a ring. Nothing is counted at world size 1.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+
+
+class Handle:
+    """An in-flight collective. `wait()` blocks the CPU until the result is usable."""
+
+    def __init__(self, work=None, finish=None):
+        self._work = work  # torch.distributed Work, or None when already complete
+        self._finish = finish  # local step run after the communication (ordered sum)
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        if self._work is not None:
+            self._work.wait()  # CPU waits here for the collective to complete
+        if self._finish is not None:
+            self._finish()
+        self.done = True
+
+
+_DONE = Handle()
+_DONE.done = True
+
+
+@dataclass(frozen=True)
+class Simulated:
+    """One process playing `rank` of `world_size`; no process group is used."""
+
+    rank: int
+    world_size: int
+
+
+class Comm:
+    """Collectives on flat 1-D tensors for one process group, with byte counters."""
+
+    def __init__(self, group=None, ordered: bool | None = None, simulate: Simulated | None = None):
+        self.simulate = simulate
+        if simulate is not None:
+            if not 0 <= simulate.rank < simulate.world_size:
+                raise ValueError(f"simulated rank {simulate.rank} is not in [0, {simulate.world_size})")
+            self.group, self.rank, self.world_size, self.backend = None, simulate.rank, simulate.world_size, "simulated"
+        elif dist.is_available() and dist.is_initialized():
+            self.group = group
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+            self.backend = str(dist.get_backend(group))
+        else:
+            if group is not None:
+                raise ValueError("group= was given but torch.distributed is not initialised")
+            self.group, self.rank, self.world_size, self.backend = None, 0, 1, "none"
+        self.ordered = (self.backend != "nccl") if ordered is None else bool(ordered)
+        self.bytes = collections.Counter()  # kind -> logical bytes
+        self.bytes_by_phase = collections.Counter()  # (phase, kind) -> logical bytes
+        self.calls = collections.Counter()  # kind -> number of collectives issued
+        self.trace: list[tuple[str, int, str]] | None = None  # (kind, numel, phase) when recording
+
+    # ------------------------------------------------------------------ bookkeeping
+    @property
+    def distributed(self) -> bool:
+        """True when collectives really cross processes."""
+        return self.world_size > 1 and self.simulate is None
+
+    @property
+    def ring_factor(self) -> float:
+        return (self.world_size - 1) / self.world_size
+
+    def _count(self, kind: str, nbytes: int, numel: int, phase: str | None) -> None:
+        if self.world_size == 1:
+            return
+        self.bytes[kind] += nbytes
+        self.calls[kind] += 1
+        self.bytes_by_phase[(phase or "other", kind)] += nbytes
+        if self.trace is not None:
+            self.trace.append((kind, numel, phase or "other"))
+
+    def stats(self) -> dict[str, int]:
+        """Cumulative logical bytes per kind (ZeRO accounting), every kind present."""
+        return {kind: int(self.bytes[kind]) for kind in KINDS}
+
+    def stats_by_phase(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for (phase, kind), n in sorted(self.bytes_by_phase.items()):
+            out.setdefault(phase, {})[kind] = int(n)
+        return out
+
+    def reset_stats(self) -> None:
+        self.bytes.clear()
+        self.bytes_by_phase.clear()
+        self.calls.clear()
+
+    @contextlib.contextmanager
+    def record(self):
+        """Record the sequence of collectives issued inside the block (kind, numel, phase)."""
+        previous, self.trace = self.trace, []
+        try:
+            yield self.trace
+        finally:
+            self.trace = previous
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False,
+                   phase: str | None = None) -> Handle:
+        """In-place all-reduce of a 1-D tensor (`op` is "sum" or "max").
+
+        An ordered sum needs the length padded to a multiple of world size; callers
+        reduce flat padded buffers, and scalars go through `all_reduce_scalars`.
+        """
+        self._count("all_reduce", 2 * _nbytes(tensor), tensor.numel(), phase)
+        if not self.distributed:
+            return _DONE
+        with record_function("zerokit::all_reduce"):
+            if op == "sum" and self.ordered:
+                return self._ordered_all_reduce(tensor, async_op)
+            work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op)
+            return Handle(work) if async_op else _DONE
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                       phase: str | None = None) -> Handle:
+        """Sum `input` (padded_numel,) over ranks; this rank's range lands in `output` (padded_numel // N,)."""
+        assert input.numel() == output.numel() * self.world_size, (input.numel(), output.numel(), self.world_size)
+        self._count("reduce_scatter", _nbytes(input), input.numel(), phase)
+        if not self.distributed:
+            start = self.rank * output.numel()
+            output.copy_(input[start:start + output.numel()])
+            return _DONE
+        with record_function("zerokit::reduce_scatter"):
+            if self.ordered:
+                return self._ordered_reduce_scatter(output, input, async_op)
+            work = dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op)
+            return Handle(work) if async_op else _DONE
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                   phase: str | None = None) -> Handle:
+        """Concatenate every rank's `input` (shard_numel,) into `output` (shard_numel * N,)."""
+        assert output.numel() == input.numel() * self.world_size, (output.numel(), input.numel(), self.world_size)
+        self._count("all_gather", _nbytes(output), output.numel(), phase)
+        if not self.distributed:
+            # Simulated or single rank: every slot gets this rank's shard (correct shape,
+            # and exact at world size 1).
+            output.view(self.world_size, -1).copy_(input.view(1, -1).expand(self.world_size, -1))
+            return _DONE
+        with record_function("zerokit::all_gather"):
+            work = dist.all_gather_single(output, input, group=self.group, async_op=async_op)
+            return Handle(work) if async_op else _DONE
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, phase: str | None = None) -> None:
+        """Copy rank `src`'s tensor (group rank) to every rank, in place."""
+        self._count("broadcast", _nbytes(tensor), tensor.numel(), phase)
+        if not self.distributed:
+            return
+        with record_function("zerokit::broadcast"):
+            dist.broadcast(tensor, src=self._global_rank(src), group=self.group)
+
+    def all_reduce_scalars(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce a few scalars (norm partials, overflow flags) in rank order; returns a new tensor.
+
+        Gathers every rank's values and reduces them locally in rank order, so the
+        result is identical on every rank and independent of the ring. Bytes are tiny
+        and not counted: the ledgers track gradient and parameter traffic.
+        """
+        if not self.distributed:
+            return values.clone()
+        gathered = torch.empty(self.world_size * values.numel(), dtype=values.dtype, device=values.device)
+        dist.all_gather_single(gathered, values.contiguous(), group=self.group)
+        rows = gathered.view(self.world_size, -1)
+        out = rows[0].clone()
+        for r in range(1, self.world_size):  # fixed order 0..N-1: see [Note: ordered reduction]
+            if op == "sum":
+                out.add_(rows[r])
+            elif op == "max":
+                torch.maximum(out, rows[r], out=out)
+            else:
+                raise ValueError(f"unknown op {op!r}")
+        return out
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's `obj` (used at construction to validate inputs before any tensor collective)."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group)
+
+    # ------------------------------------------------------------------ ordered recipe
+    def _ordered_reduce_scatter(self, output, input, async_op) -> Handle:
+        n = self.world_size
+        received = torch.empty(input.numel(), dtype=input.dtype, device=input.device)  # (N * shard,)
+
+        def finish():
+            rows = received.view(n, -1)  # row r = rank r's contribution to my range
+            output.copy_(rows[0])
+            for r in range(1, n):  # rank order 0..N-1: see [Note: ordered reduction]
+                output.add_(rows[r])
+
+        work = dist.all_to_all_single(received, input, group=self.group, async_op=async_op)
+        handle = Handle(work if async_op else None, finish)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def _ordered_all_reduce(self, tensor, async_op) -> Handle:
+        n = self.world_size
+        assert tensor.numel() % n == 0, f"ordered all-reduce needs numel % world_size == 0, got {tensor.numel()} % {n}"
+        shard = torch.empty(tensor.numel() // n, dtype=tensor.dtype, device=tensor.device)  # (numel // N,)
+        rs = self._ordered_reduce_scatter(shard, tensor, async_op)
+
+        def finish():
+            rs.wait()
+            # Second half of the all-reduce; issued from wait() in the same order on every
+            # rank because every rank waits on its handles in the same order.
+            dist.all_gather_single(tensor, shard, group=self.group)
+
+        handle = Handle(None, finish)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX} if dist.is_available() else {}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

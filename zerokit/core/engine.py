@@ -1,0 +1,107 @@
+"""What every stage's engine shares and no stage differs in.
+
+Calling the wrapped model, scaling the loss for fp16, the `no_sync` switch, global
+gradient-norm clipping over shards, and the ledgers (`comm_stats`, `memory`). Each stage
+file subclasses `Engine` directly (no stage inherits from another) and implements, in
+this order: construction (partition), the bucket hook, the end of backward, `step`,
+`zero_grad`, `state_dict`, and `memory_tensors` (what it holds, by category).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from zerokit.core.precision import LossScaler, PrecisionPolicy
+
+
+class Engine:
+    stage: int = -1
+
+    def __init__(self, module: nn.Module, comm, policy: PrecisionPolicy, scaler: LossScaler | None):
+        self.module = module
+        self.comm = comm
+        self.policy = policy
+        self.scaler = scaler
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.sync_gradients = True  # False inside no_sync(): accumulate locally, no communication
+
+    # -- running the model ------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), with the loss multiplied by the fp16 loss scale first."""
+        if self.scaler is not None:
+            loss = loss * self.scaler.scale
+        loss.backward()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: backwards inside the block communicate nothing (stage-specific)."""
+        previous, self.sync_gradients = self.sync_gradients, False
+        try:
+            yield
+        finally:
+            self.sync_gradients = previous
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.scaler.scale) if self.scaler is not None else 1.0
+
+    # -- clipping -----------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global L2 norm of the (unscaled) averaged gradient; return that norm.
+
+        Every rank sums squares over *its own range* of each flat gradient (padding is
+        zero, a tied parameter is stored once), then one rank-ordered reduction of those
+        scalars gives every rank the same total, whatever the stage. The coefficient is
+        applied while the optimizer forms its master gradients, as torch's
+        clip_grad_norm_ would have scaled the gradients: coef = max_norm / (norm + 1e-6),
+        capped at 1.
+        """
+        self.finish_backward()
+        partial = torch.zeros((), dtype=torch.float32)
+        for g in self.norm_shards():
+            g32 = g.float()
+            partial += torch.dot(g32, g32)
+        total_sq = self.comm.all_reduce_scalars(partial.reshape(1))[0]
+        norm = total_sq.sqrt()
+        if self.scaler is not None:
+            norm = norm / self.scaler.scale
+        coef = torch.clamp(torch.tensor(float(max_norm), dtype=torch.float32) / (norm + 1e-6), max=1.0)
+        self.optimizer.grad_multiplier = coef
+        return norm
+
+    # -- ledgers -------------------------------------------------------------------
+    def comm_stats(self) -> dict[str, int]:
+        """Cumulative logical bytes per collective kind (ZeRO-paper accounting, see core/comm.py)."""
+        return self.comm.stats()
+
+    def memory(self) -> dict[str, int]:
+        """This rank's live bytes by category, each storage counted once."""
+        seen: set = set()
+        out = {}
+        for category, tensors in self.memory_tensors().items():
+            total = 0
+            for t in tensors:
+                if t is None:
+                    continue
+                key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                if key in seen or t.untyped_storage().nbytes() == 0:
+                    continue
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+            out[category] = total
+        return out
+
+    # -- implemented by each stage ---------------------------------------------------
+    def finish_backward(self) -> None:
+        raise NotImplementedError
+
+    def norm_shards(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        raise NotImplementedError

@@ -1,0 +1,206 @@
+"""Flat parameters: many module parameters stored as views into one padded 1-D buffer.
+
+Parameters are grouped by (dtype, requires_grad, hyperparameter overrides); each group
+is cut into buckets of at most `bucket_numel` elements (walking parameters in reverse
+registration order, the order gradients arrive), and each bucket is one `FlatParam`:
+
+    flat_param  (padded_numel,)   p0 | p1 | p2 | zero padding (< world_size)
+    param_shard (shard_numel,)    this rank's range [rank * shard_numel, (rank + 1) * shard_numel)
+
+A module parameter keeps its identity (the same `nn.Parameter` object, so user code,
+optimizers and `state_dict` see it) while its `.data` becomes a view into the flat
+buffer; its `.grad` can likewise be made a view into a flat gradient buffer, so autograd
+accumulates gradients directly in communication-ready storage, never copied afterwards.
+
+A tied parameter (one Parameter reachable under two names) is stored once, by identity;
+all its names are kept for checkpoints. Frozen parameters (LoRA base weights) form
+their own flat buffers: no gradient, no master copy, no optimizer state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from zerokit.core.bucketing import plan_buckets
+from zerokit.core.partition import FlatLayout
+
+ParamGroupFn = Callable[[str, nn.Parameter], dict]
+
+
+class FlatParam:
+    """One padded flat buffer's worth of parameters (the layout; storage is the stage's business)."""
+
+    def __init__(self, index: int, names: list[list[str]], params: list[nn.Parameter], dtype: torch.dtype,
+                 requires_grad: bool, options: dict, world_size: int, rank: int):
+        self.index = index  # position in the engine's list: the order collectives are issued
+        self.names = names  # names[i]: every name of params[i] (more than one when tied)
+        self.params = params
+        self.dtype = dtype
+        self.requires_grad = requires_grad
+        self.options = options  # optimizer hyperparameter overrides shared by these params
+        self.rank = rank
+        self.layout = FlatLayout.build([tuple(p.shape) for p in params], world_size)
+        self.device = params[0].device
+
+    # extents -------------------------------------------------------------
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def padded_numel(self) -> int:
+        return self.layout.padded_numel
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        return self.layout.shard_range(self.rank)
+
+    # storage helpers -------------------------------------------------------
+    def new_flat(self, dtype: torch.dtype | None = None, numel: int | None = None) -> torch.Tensor:
+        """A zero buffer of `padded_numel` (or `numel`) elements on the params' device."""
+        n = self.padded_numel if numel is None else numel
+        return torch.zeros(n, dtype=dtype or self.dtype, device=self.device)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's view into a (padded_numel,) buffer, shaped like the parameter."""
+        assert flat.numel() == self.padded_numel, (flat.numel(), self.padded_numel)
+        return [flat[o:o + n].view(shape)
+                for o, n, shape in zip(self.layout.offsets, self.layout.numels, self.layout.shapes)]
+
+    def copy_params_into(self, flat: torch.Tensor) -> None:
+        """Write the parameters' current values into `flat` (padding stays zero)."""
+        for view, p in zip(self.views(flat), self.params):
+            view.copy_(p.detach())
+
+    def use_as_param_storage(self, flat: torch.Tensor) -> None:
+        """Make every parameter's `.data` a view into `flat` (identity of the Parameter kept)."""
+        for view, p in zip(self.views(flat), self.params):
+            p.data = view
+
+    def use_as_grad_storage(self, flat_grad: torch.Tensor | None) -> None:
+        """Make every parameter's `.grad` a view into `flat_grad` (None: drop the gradients)."""
+        if flat_grad is None:
+            for p in self.params:
+                p.grad = None
+            return
+        for view, p in zip(self.views(flat_grad), self.params):
+            p.grad = view
+
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's range of a (padded_numel,) buffer, as a view: (shard_numel,)."""
+        lo, hi = self.shard_range
+        return flat[lo:hi]
+
+    def __repr__(self) -> str:
+        return (f"FlatParam(index={self.index}, params={len(self.params)}, numel={self.numel}, "
+                f"padded={self.padded_numel}, dtype={self.dtype}, requires_grad={self.requires_grad})")
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    names: list[str]
+    param: nn.Parameter
+    options: dict
+
+
+def unique_params(module: nn.Module, param_groups: ParamGroupFn | None = None) -> list[ParamInfo]:
+    """Parameters in registration order, each once by identity, with all its names and overrides."""
+    by_id: dict[int, ParamInfo] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in by_id:
+            by_id[id(p)].names.append(name)  # a tie: stored once, known under every name
+            continue
+        options = dict(param_groups(name, p) or {}) if param_groups is not None else {}
+        if "params" in options:
+            raise ValueError(f"param_groups({name!r}) returned a 'params' key; return only hyperparameters")
+        by_id[id(p)] = ParamInfo([name], p, options)
+    return list(by_id.values())
+
+
+def build_flat_params(infos: list[ParamInfo], world_size: int, rank: int, bucket_numel: int,
+                      first_index: int = 0) -> list[FlatParam]:
+    """Group parameters by (dtype, requires_grad, overrides) and cut each group into buckets.
+
+    The result is ordered by the latest-registered parameter of each bucket, descending:
+    roughly the order in which backward completes them, which is the order every rank
+    issues their collectives in.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, info in enumerate(infos):
+        key = (info.param.dtype, info.param.requires_grad, tuple(sorted(info.options.items())))
+        groups.setdefault(key, []).append(i)
+    planned: list[tuple[int, tuple, list[int]]] = []
+    for key, members in groups.items():
+        numels = [infos[i].param.numel() for i in members]
+        for bucket in plan_buckets(numels, bucket_numel):
+            indices = [members[j] for j in bucket]
+            planned.append((max(indices), key, indices))
+    planned.sort(key=lambda t: -t[0])
+    flats = []
+    for k, (_, (dtype, requires_grad, _opts), indices) in enumerate(planned):
+        flats.append(FlatParam(first_index + k, [infos[i].names for i in indices], [infos[i].param for i in indices],
+                               dtype, requires_grad, infos[indices[0]].options, world_size, rank))
+    return flats
+
+
+# ---------------------------------------------------------------------- validation
+def check_module(module: nn.Module, comm, stage: int, param_groups: ParamGroupFn | None = None) -> list[ParamInfo]:
+    """Validate the model on every rank, agree on the verdict, then return its parameters.
+
+    Local problems (integer parameters, parameters on several devices) and the
+    per-rank parameter signature are exchanged with one all-gather of Python objects,
+    the first collective an engine issues, so that every rank raises the same error
+    before any tensor collective could hang on a mismatch.
+    """
+    problems = []
+    try:
+        infos = unique_params(module, param_groups)
+    except Exception as exc:  # a bad param_groups function must not leave other ranks hanging
+        infos, problems = [], [f"param_groups failed: {exc!r}"]
+    devices = sorted({str(i.param.device) for i in infos})
+    if len(devices) > 1:
+        where = {d: next(i.names[0] for i in infos if str(i.param.device) == d) for d in devices}
+        problems.append("parameters are on several devices: "
+                        + ", ".join(f"{n!r} on {d}" for d, n in where.items()) + "; move the model to one device first")
+    for info in infos:
+        if not (info.param.is_floating_point()):
+            problems.append(f"parameter {info.names[0]!r} has dtype {info.param.dtype}; "
+                            f"only floating-point parameters can be trained or sharded (register it as a buffer)")
+    if not infos and not problems:
+        problems.append("the model has no parameters")
+    signature = [(i.names[0], tuple(i.param.shape), str(i.param.dtype), i.param.requires_grad) for i in infos]
+    everyone = comm.all_gather_object((problems, signature))
+    errors = []
+    for r, (their_problems, _) in enumerate(everyone):
+        errors += [f"rank {r}: {msg}" for msg in their_problems]
+    reference = everyone[0][1]
+    for r, (_, their_signature) in enumerate(everyone[1:], start=1):
+        if len(their_signature) != len(reference):
+            errors.append(f"rank {r} has {len(their_signature)} parameters but rank 0 has {len(reference)}")
+            continue
+        for mine, theirs in zip(reference, their_signature):
+            if mine != theirs:
+                errors.append(f"parameter {mine[0]!r}: rank 0 has (name, shape, dtype, requires_grad) = {mine}, "
+                              f"rank {r} has {theirs}; every rank must build the same model")
+                break
+    if errors:
+        raise ValueError(f"zerokit stage {stage}: cannot wrap this model (raised on rank {comm.rank}):\n  "
+                         + "\n  ".join(errors))
+    return infos
+
+
+def broadcast_module_state(module: nn.Module, comm) -> None:
+    """Copy rank 0's parameters (frozen ones too) and buffers to every rank, as DDP does."""
+    seen = set()
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) in seen or t.numel() == 0:
+            continue
+        seen.add(id(t))
+        comm.broadcast(t.data, src=0, phase="init")

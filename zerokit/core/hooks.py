@@ -1,0 +1,108 @@
+"""Gradient-ready hooks: when is a bucket's gradient complete, and when is backward over.
+
+`GradReadyTracker` registers, on every trainable parameter,
+
+* a post-accumulate-grad hook (`Tensor.register_post_accumulate_grad_hook`): fires once
+  per backward after autograd has *accumulated* the parameter's gradient into `.grad`
+  (which is a view into the bucket's flat gradient buffer), so the bucket knows one more
+  of its members is final;
+* optionally a gradient pre-hook (`Tensor.register_hook`): fires just before that
+  accumulation, the last moment to give the parameter a `.grad` view into storage that
+  is allocated only when needed (stage 2 frees full-size gradients between backwards).
+
+Buckets are released to the stage strictly in bucket order (`FlatParam.index`), as
+DDP does: a bucket that fills early waits for the ones before it. That keeps the
+sequence of collectives identical on every rank even when ranks see their gradients in
+different orders, or when a parameter gets no gradient on some rank (an unused
+branch): such buckets are released at the end of backward, in order, with the zeros
+they hold for the missing gradients.
+
+The end of backward is detected with autograd's queue_callback (the mechanism torch's
+DDP and FSDP use): the first hook of a backward queues `_end_of_backward`, which runs
+once the autograd engine has finished the whole graph.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from zerokit.core.flat_param import FlatParam
+
+
+class GradReadyTracker:
+    def __init__(self, flat_params: list[FlatParam], on_bucket_ready: Callable[[FlatParam], None],
+                 on_backward_end: Callable[[], None],
+                 on_first_grad: Callable[[FlatParam], None] | None = None):
+        self.flat_params = [fp for fp in flat_params if fp.requires_grad]
+        assert [fp.index for fp in self.flat_params] == sorted(fp.index for fp in self.flat_params)
+        self.on_bucket_ready = on_bucket_ready
+        self.on_backward_end = on_backward_end
+        self.on_first_grad = on_first_grad
+        self.in_backward = False
+        self._handles = []
+        self._reset()
+        for k, fp in enumerate(self.flat_params):
+            for j, p in enumerate(fp.params):
+                self._handles.append(p.register_post_accumulate_grad_hook(self._make_ready_hook(k, j)))
+                if on_first_grad is not None:
+                    self._handles.append(p.register_hook(self._make_pre_hook(k)))
+
+    def _reset(self) -> None:
+        self._pending = [len(fp.params) for fp in self.flat_params]
+        self._seen = [[False] * len(fp.params) for fp in self.flat_params]
+        self._started = [False] * len(self.flat_params)
+        self._next = 0  # first bucket not yet released
+
+    def _make_pre_hook(self, k: int):
+        def pre_hook(grad: torch.Tensor) -> torch.Tensor:
+            if not self._started[k]:
+                self._started[k] = True
+                self.on_first_grad(self.flat_params[k])
+            return grad
+        return pre_hook
+
+    def _make_ready_hook(self, k: int, j: int):
+        def ready_hook(param: torch.Tensor) -> None:
+            if self._seen[k][j]:
+                fp = self.flat_params[k]
+                raise RuntimeError(
+                    f"gradient hook fired twice in one backward for parameter {fp.names[j][0]!r}: "
+                    "use torch.utils.checkpoint with use_reentrant=False, and engine.no_sync() for accumulation")
+            self._seen[k][j] = True
+            if not self.in_backward:
+                self.in_backward = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._pending[k] -= 1
+            self._release_ready()
+        return ready_hook
+
+    def _release_ready(self) -> None:
+        while self._next < len(self.flat_params) and self._pending[self._next] == 0:
+            fp = self.flat_params[self._next]
+            self._next += 1
+            self.on_bucket_ready(fp)
+
+    def _end_of_backward(self) -> None:
+        # Buckets with a parameter that got no gradient this time: release them in order.
+        while self._next < len(self.flat_params):
+            k, fp = self._next, self.flat_params[self._next]
+            self._next += 1
+            if self.on_first_grad is not None and not self._started[k]:
+                self.on_first_grad(fp)  # storage must exist (zeros) before its collective
+            self.on_bucket_ready(fp)
+        self._reset()
+        self.in_backward = False
+        self.on_backward_end()
+
+    def finish_if_pending(self) -> bool:
+        """Run the end-of-backward logic now if a backward is half-done; True if it ran."""
+        if self.in_backward:
+            self._end_of_backward()
+            return True
+        return False
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -1,0 +1,113 @@
+"""The sharded optimizer: a torch optimizer that only ever sees this rank's fp32 master shards.
+
+For each trainable flat buffer the stage hands over two tensors of equal extent:
+
+    param_shard (shard_numel,)  this rank's range of the low-precision (or fp32) params
+    grad_shard  (shard_numel,)  the averaged gradient for exactly that range
+
+(At stage 0 the "shard" is the whole buffer: every rank updates everything.)
+
+The wrapped optimizer (any elementwise torch optimizer: AdamW, Adam, SGD with momentum)
+is built over `master_shard`s, so its states (Adam's exp_avg, exp_avg_sq) exist only for
+the shard — that is ZeRO-1's whole memory saving. Under fp32 the master shard *is* the
+param shard (a view: no copy, 0 extra bytes); under bf16/fp16 it is a separate fp32 copy
+(4 bytes/param) and the update happens there, then the low-precision params are refreshed.
+
+Buffers with the same hyperparameter overrides share one optimizer param group, so each
+`step` runs one foreach kernel per group over whole shards, never a Python loop over
+module parameters.
+
+step() in numbered phases:
+  1. fp16 only: inf/nan check on the local grad shards; one all-reduce(MAX) so that every
+     rank agrees; on overflow every rank skips the step and the scaler backs off.
+  2. form master gradients in fp32: grad * (clip_coef / loss_scale)  (unscale + clip once).
+  3. optimizer.step() on the master shards.
+  4. copy master -> param shard (cast to the param dtype); drop transient fp32 grads.
+The all-gather that brings the updated shards back into full buffers is the stage's job.
+"""
+from __future__ import annotations
+
+import torch
+
+from zerokit.core.precision import LossScaler, PrecisionPolicy, has_inf_or_nan
+
+
+class ShardedOptimizer:
+    def __init__(self, optimizer_cls: type[torch.optim.Optimizer], optimizer_kwargs: dict,
+                 param_shards: list[torch.Tensor], grad_shards: list[torch.Tensor], options: list[dict],
+                 policy: PrecisionPolicy, comm, scaler: LossScaler | None = None):
+        assert len(param_shards) == len(grad_shards) == len(options)
+        self.policy, self.comm, self.scaler = policy, comm, scaler
+        self.param_shards = param_shards
+        self.grad_shards = grad_shards
+        if policy.needs_master:
+            # (shard_numel,) fp32 each: the weights the optimizer really updates.
+            self.master_shards = [p.detach().to(policy.master_dtype).clone() for p in param_shards]
+        else:
+            self.master_shards = param_shards  # fp32 training: the shard itself, a view
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for master, opts in zip(self.master_shards, options):
+            groups.setdefault(tuple(sorted(opts.items())), []).append(master)
+        param_groups = [{"params": masters, **dict(key)} for key, masters in groups.items()]
+        if not param_groups:  # nothing trainable: keep a valid (empty-shard) optimizer
+            param_groups = [{"params": [torch.zeros(0, dtype=policy.master_dtype)]}]
+        try:
+            self.optimizer = optimizer_cls(param_groups, **optimizer_kwargs)
+        except TypeError as exc:
+            raise TypeError(f"could not build {optimizer_cls.__name__} with {optimizer_kwargs}: {exc}") from exc
+        self.grad_multiplier: torch.Tensor | None = None  # set by clipping, consumed by step
+
+    def set_master_from_params(self) -> None:
+        """Re-seed master shards from the param shards (after loading weights)."""
+        if self.policy.needs_master:
+            for m, p in zip(self.master_shards, self.param_shards):
+                m.copy_(p)
+
+    def found_overflow(self) -> bool:
+        """Phase 1: every rank learns whether any rank's gradient holds inf/nan. A CPU sync point."""
+        local = has_inf_or_nan(self.grad_shards)
+        return bool(self.comm.all_reduce_scalars(local.reshape(1), op="max").item() > 0)
+
+    def step(self) -> bool:
+        # 1. overflow (fp16 only)
+        if self.scaler is not None and self.found_overflow():
+            self.scaler.update(True)
+            self.grad_multiplier = None
+            return False
+        # 2. master gradients: unscale and clip in one multiply, in fp32
+        multiplier = self.grad_multiplier
+        if self.scaler is not None:
+            inv_scale = torch.tensor(1.0 / self.scaler.scale, dtype=torch.float32)
+            multiplier = inv_scale if multiplier is None else multiplier * inv_scale
+        for master, grad in zip(self.master_shards, self.grad_shards):
+            if self.policy.needs_master:
+                master.grad = grad.to(self.policy.master_dtype)  # (shard_numel,) fp32, transient
+                if multiplier is not None:
+                    master.grad.mul_(multiplier)
+            else:
+                if multiplier is not None:
+                    grad.mul_(multiplier)
+                master.grad = grad  # a view: the optimizer reads the grad shard in place
+        # 3. update
+        self.optimizer.step()
+        # 4. refresh low-precision params; free the transient fp32 gradients
+        if self.policy.needs_master:
+            for master, param in zip(self.master_shards, self.param_shards):
+                param.copy_(master)
+                master.grad = None
+        if self.scaler is not None:
+            self.scaler.update(False)
+        self.grad_multiplier = None
+        return True
+
+    # ledgers -------------------------------------------------------------
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every optimizer state tensor (0-dim step counters excluded)."""
+        out = []
+        for state in self.optimizer.state.values():
+            out += [t for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
+        return out
+
+    def master_tensors(self) -> list[torch.Tensor]:
+        """Separate fp32 master copies (none under fp32: the params are the master)."""
+        return list(self.master_shards) if self.policy.needs_master else []

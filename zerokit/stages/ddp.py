@@ -1,0 +1,125 @@
+"""Stage 0: data parallelism (DDP), written by hand. Nothing is sharded.
+
+Every rank holds the whole model, the whole gradient and the whole optimizer state, and
+sees its own slice of the data. After backward the gradients are averaged over ranks
+with an all-reduce, so every rank applies the same update and the replicas stay equal.
+
+What happens, per step:
+  * construction: rank 0's parameters (frozen ones too) and buffers are broadcast; the
+    parameters become views into flat buckets, their `.grad`s views into flat gradient
+    buckets (so gradients land in communication-ready storage);
+  * backward: as soon as every gradient of a bucket has been accumulated, that bucket is
+    scaled by 1/N and all-reduced asynchronously, overlapping the rest of backward;
+  * end of backward: wait for every bucket;
+  * step: every rank runs the optimizer over the whole flat buffers.
+
+Collectives per step: one all-reduce of the gradients. Logical bytes per rank:
+2 * Ψ * g (g = gradient bytes per element; ZeRO accounting, see core/comm.py).
+
+Per-rank memory (Ψ parameters, up to padding < N elements per bucket):
+  fp32 + Adam:        params 4Ψ + grads 4Ψ + optimizer_states 8Ψ                = 16Ψ
+  bf16/fp16 + Adam:   params 2Ψ + grads 2Ψ + master_params 4Ψ + optimizer_states 8Ψ = 16Ψ
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zerokit.core.bucketing import InFlight
+from zerokit.core.engine import Engine
+from zerokit.core.flat_param import FlatParam, broadcast_module_state, build_flat_params, check_module
+from zerokit.core.hooks import GradReadyTracker
+from zerokit.optim.sharded import ShardedOptimizer
+
+
+class DDPEngine(Engine):
+    stage = 0
+
+    # 1. construct ------------------------------------------------------------------
+    def __init__(self, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *, comm, policy, scaler,
+                 bucket_numel: int, param_groups=None, **_unused):
+        super().__init__(module, comm, policy, scaler)
+        infos = check_module(module, comm, self.stage, param_groups)
+        broadcast_module_state(module, comm)
+        self.flat_params: list[FlatParam] = build_flat_params(infos, self.world_size, self.rank, bucket_numel)
+        self.flat_data: list[torch.Tensor] = []  # (padded_numel,) param dtype, one per bucket
+        self.flat_grads: list[torch.Tensor | None] = []  # (padded_numel,) full gradients, trainable buckets
+        masters = []
+        for fp in self.flat_params:
+            fp32 = fp.new_flat(torch.float32 if fp.dtype.is_floating_point else fp.dtype)
+            fp.copy_params_into(fp32)
+            dtype = policy.param_dtype  # bf16/fp16 params (frozen ones too) under mixed precision
+            data = fp32.to(dtype) if fp32.dtype != dtype else fp32
+            fp.dtype = dtype
+            fp.use_as_param_storage(data)
+            self.flat_data.append(data)
+            masters.append(fp32)
+            grad = fp.new_flat() if fp.requires_grad else None
+            fp.use_as_grad_storage(grad)
+            self.flat_grads.append(grad)
+        trainable = [fp for fp in self.flat_params if fp.requires_grad]
+        self.optimizer = ShardedOptimizer(
+            optimizer_cls, optimizer_kwargs,
+            param_shards=[self.flat_data[fp.index] for fp in trainable],  # the whole buffer: replicated
+            grad_shards=[self.flat_grads[fp.index] for fp in trainable],
+            options=[fp.options for fp in trainable], policy=policy, comm=comm, scaler=scaler)
+        if policy.needs_master:  # masters start from the fp32 values, not their rounded copies
+            for m, fp in zip(self.optimizer.master_shards, trainable):
+                m.copy_(masters[fp.index])
+        del masters
+        self.in_flight = InFlight()
+        self.tracker = GradReadyTracker(self.flat_params, self._on_bucket_ready, self._on_backward_end)
+
+    # 2. gradient hook ---------------------------------------------------------------
+    def _on_bucket_ready(self, fp: FlatParam) -> None:
+        """A bucket's gradients are all accumulated: average them over ranks, asynchronously."""
+        if not self.sync_gradients:
+            return  # no_sync: gradients keep accumulating in the bucket
+        grad = self.flat_grads[fp.index]
+        grad.mul_(1.0 / self.world_size)  # pre-divide, as torch DDP does
+        self.in_flight.push(self.comm.all_reduce(grad, async_op=True, phase="backward"))
+
+    # 3. finish backward ---------------------------------------------------------------
+    def _on_backward_end(self) -> None:
+        self.in_flight.wait_all()
+
+    def finish_backward(self) -> None:
+        self.tracker.finish_if_pending()
+        self.in_flight.wait_all()
+
+    # 4. step ---------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Update every parameter on every rank (replicated optimizer). False if fp16 skipped it."""
+        self.finish_backward()
+        return self.optimizer.step()
+
+    # 5. zero_grad ------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for grad in self.flat_grads:
+            if grad is not None:
+                grad.zero_()
+
+    # 6. state_dict ----------------------------------------------------------------------
+    def state_dict(self, full: bool = True) -> dict[str, torch.Tensor]:
+        """The unwrapped model's state_dict (same keys), fp32 master values where they exist."""
+        sd = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        if self.policy.needs_master:
+            trainable = [fp for fp in self.flat_params if fp.requires_grad]
+            for fp, master in zip(trainable, self.optimizer.master_shards):
+                for names, view in zip(fp.names, fp.views(master)):
+                    for name in names:
+                        sd[name] = view.detach().clone()
+        return sd
+
+    def norm_shards(self) -> list[torch.Tensor]:
+        # Every rank holds the whole gradient; each sums only its own range so that the
+        # norm is computed exactly as the sharded stages compute it.
+        return [fp.shard_of(self.flat_grads[fp.index]) for fp in self.flat_params if fp.requires_grad]
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {
+            "params": self.flat_data,
+            "grads": [g for g in self.flat_grads if g is not None],
+            "master_params": self.optimizer.master_tensors(),
+            "optimizer_states": self.optimizer.state_tensors(),
+        }
