@@ -1,0 +1,256 @@
+"""Mixed precision: which dtype each kind of tensor lives in, and the fp16 loss scaler.
+
+The lecture's recipe (Micikevicius et al. 2018) in zerokit's vocabulary:
+
+1. `param` (the working copy the model computes with) lives in `param_dtype`: fp32, bf16 or fp16.
+2. Gradients come out of backward in `param_dtype` and are reduced across ranks in
+   `reduce_dtype` (default: the same; fp32 reduction of bf16 gradients trades 2x
+   communication bytes for a sum that does not lose low bits at every hop of the ring).
+3. When `param_dtype` is not fp32, the optimizer updates an fp32 `master_shard`
+   (`master_dtype`) and copies the result back into the low-precision params, because an
+   update of 1e-4 added to a weight of 1.0 vanishes in fp16/bf16 (see `zerokit formats`).
+4. fp16 only: the loss is multiplied by a scale before backward so small activation
+   gradients do not underflow (fp16 has 5 exponent bits); gradients are divided by the same
+   scale before the update; a step whose gradients hold inf/nan is skipped and the scale
+   backs off. bf16 has fp32's 8 exponent bits, so it needs no scaler.
+
+This module is pure: no process group. The engine computes `has_inf_or_nan` over its local
+gradients, does one all-reduce (MAX) of that flag so every rank agrees, and then calls
+`LossScaler.update(found_overflow)` with the same value on every rank, which keeps the scale
+identical everywhere without ever communicating it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+__all__ = ["PRECISIONS", "PrecisionPolicy", "make_policy", "LossScaler", "make_loss_scaler", "has_inf_or_nan"]
+
+# name -> dtype the params (and by default gradients) live in.
+PRECISIONS: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in PRECISIONS.items()}
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Which dtype params, gradient reductions and master weights use.
+
+    `param_dtype` and `reduce_dtype` default from `name`; build one with `make_policy`.
+    """
+
+    name: str
+    param_dtype: torch.dtype | None = None  # None -> PRECISIONS[name]
+    reduce_dtype: torch.dtype | None = None  # None -> param_dtype
+    master_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.name not in PRECISIONS:
+            raise ValueError(f"precision={self.name!r} is not one of {sorted(PRECISIONS)}")
+        expected = PRECISIONS[self.name]
+        if self.param_dtype is None:
+            object.__setattr__(self, "param_dtype", expected)
+        elif self.param_dtype != expected:
+            raise ValueError(
+                f"PrecisionPolicy(name={self.name!r}) needs param_dtype={expected}, got {self.param_dtype}")
+        if self.reduce_dtype is None:
+            object.__setattr__(self, "reduce_dtype", self.param_dtype)
+        elif self.reduce_dtype not in _DTYPE_NAMES:
+            raise ValueError(
+                f"reduce_dtype={self.reduce_dtype} is not one of {[str(d) for d in _DTYPE_NAMES]}")
+        if self.master_dtype != torch.float32:
+            # The memory formulas (12 bytes/param of master + Adam states) and the update
+            # precision argument both assume fp32 masters.
+            raise ValueError(f"master_dtype must be torch.float32, got {self.master_dtype}")
+
+    @property
+    def needs_master(self) -> bool:
+        """True when params are low precision, so the optimizer updates an fp32 master copy."""
+        return self.param_dtype != torch.float32
+
+    @property
+    def uses_loss_scaler(self) -> bool:
+        """True for fp16 only: its 5 exponent bits let small gradients underflow without a scale."""
+        return self.param_dtype == torch.float16
+
+
+def _as_dtype(value: torch.dtype | str, what: str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value in PRECISIONS:
+        return PRECISIONS[value]
+    raise ValueError(f"{what}={value!r} is not a torch.dtype or one of {sorted(PRECISIONS)}")
+
+
+def make_policy(precision: str | PrecisionPolicy,
+                reduce_dtype: torch.dtype | str | None = None) -> PrecisionPolicy:
+    """Policy for "fp32" | "bf16" | "fp16" (or an existing policy), optionally overriding reduce_dtype.
+
+    >>> make_policy("bf16", reduce_dtype="fp32").reduce_dtype
+    torch.float32
+    """
+    if isinstance(precision, PrecisionPolicy):
+        policy = precision
+    elif isinstance(precision, str):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r} is not one of {sorted(PRECISIONS)}")
+        policy = PrecisionPolicy(precision)
+    else:
+        raise TypeError(f"precision must be a str or PrecisionPolicy, got {type(precision).__name__}")
+    if reduce_dtype is not None:
+        policy = replace(policy, reduce_dtype=_as_dtype(reduce_dtype, "reduce_dtype"))
+    return policy
+
+
+class LossScaler:
+    """The fp16 loss scale as a state machine, with DeepSpeed's knobs and defaults.
+
+    Per optimizer step the engine multiplies the loss by `scale`, runs backward, finds out
+    (identically on every rank) whether any gradient holds inf/nan, skips the step if so, and
+    calls `update(found_overflow)`. The state is three numbers: `scale`, the count of
+    consecutive clean steps, and the hysteresis budget left.
+
+    Exactly what `update` does (dynamic=True):
+
+    - overflow, hysteresis budget left > 1: the budget drops by one; the scale stays. With
+      `hysteresis=h` the first h-1 overflows are tolerated (the steps are still skipped).
+    - overflow, budget == 1: the scale backs off to `max(scale * backoff_factor, min_scale)`.
+      If the scale already equals `min_scale`, no smaller scale exists, so RuntimeError: the
+      gradients are inf/nan even at the minimum scale, which means the model has diverged
+      (or the loss itself is inf), not that the scale is too high.
+    - any overflow resets the clean-step count to 0.
+    - clean step: the count goes up by one; when it reaches `growth_interval` the scale is
+      multiplied by `growth_factor`, the count resets to 0 and the hysteresis budget is
+      refilled to `hysteresis`.
+
+    Like DeepSpeed's default (`consecutive_hysteresis=false`) the budget is refilled only when
+    the scale grows, not after every clean step: once spent, each further overflow halves the
+    scale until a full clean window has passed. One difference from DeepSpeed, on purpose:
+    DeepSpeed grows on the (window+1)-th clean step after an overflow; here the scale grows on
+    exactly the `growth_interval`-th consecutive clean step, as torch's GradScaler does.
+
+    `dynamic=False` is a static scale: `update` never changes anything (an overflowed step is
+    still skipped by the engine) and never raises.
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, hysteresis: int = 1, min_scale: float = 1.0,
+                 dynamic: bool = True) -> None:
+        if not (math.isfinite(init_scale) and init_scale > 0):
+            raise ValueError(f"init_scale must be a positive finite number, got {init_scale}")
+        if not (math.isfinite(min_scale) and min_scale > 0):
+            raise ValueError(f"min_scale must be a positive finite number, got {min_scale}")
+        if dynamic and min_scale > init_scale:
+            raise ValueError(f"min_scale={min_scale} is larger than init_scale={init_scale}")
+        if not growth_factor > 1.0:
+            raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
+        if not (isinstance(growth_interval, int) and growth_interval >= 1):
+            raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
+        if not (isinstance(hysteresis, int) and hysteresis >= 1):
+            raise ValueError(f"hysteresis must be an int >= 1 (1 = back off on every overflow), got {hysteresis!r}")
+        self.init_scale = float(init_scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = growth_interval
+        self.hysteresis = hysteresis
+        self.min_scale = float(min_scale)
+        self.dynamic = bool(dynamic)
+        self._scale = float(init_scale)
+        self._clean_steps = 0  # consecutive steps without overflow since the last growth/overflow
+        self._hysteresis_left = hysteresis
+        self.num_overflows = 0  # skipped steps so far, for logs
+
+    @property
+    def scale(self) -> float:
+        """The factor the loss is multiplied by before backward (gradients divided by after)."""
+        return self._scale
+
+    def update(self, found_overflow: bool) -> None:
+        """Advance the state machine by one optimizer step (see the class docstring)."""
+        if found_overflow:
+            self.num_overflows += 1
+        if not self.dynamic:
+            return
+        if found_overflow:
+            self._clean_steps = 0
+            if self._hysteresis_left > 1:
+                self._hysteresis_left -= 1
+                return
+            if self._scale <= self.min_scale:
+                raise RuntimeError(
+                    f"loss scale stuck at minimum ({self.min_scale:g}): gradients are inf/nan even at scale "
+                    f"{self._scale:g} after {self.num_overflows} overflowed steps; check for a diverged model "
+                    f"(loss inf/nan, learning rate too high) or use bf16, which needs no loss scale")
+            self._scale = max(self._scale * self.backoff_factor, self.min_scale)
+            return
+        self._clean_steps += 1
+        if self._clean_steps >= self.growth_interval:
+            self._scale *= self.growth_factor
+            self._clean_steps = 0
+            self._hysteresis_left = self.hysteresis
+
+    def state_dict(self) -> dict[str, Any]:
+        """Scale, counters and configuration, as plain Python numbers."""
+        return {
+            "scale": self._scale,
+            "clean_steps": self._clean_steps,
+            "hysteresis_left": self._hysteresis_left,
+            "num_overflows": self.num_overflows,
+            "init_scale": self.init_scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "hysteresis": self.hysteresis,
+            "min_scale": self.min_scale,
+            "dynamic": self.dynamic,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore everything `state_dict` saved (the checkpoint's configuration wins)."""
+        missing = set(self.state_dict()) - set(state)
+        if missing:
+            raise ValueError(f"LossScaler state_dict is missing keys {sorted(missing)}")
+        # Re-run the constructor's validation on the loaded configuration.
+        self.__init__(state["init_scale"], state["growth_factor"], state["backoff_factor"],
+                      int(state["growth_interval"]), int(state["hysteresis"]), state["min_scale"],
+                      bool(state["dynamic"]))
+        self._scale = float(state["scale"])
+        self._clean_steps = int(state["clean_steps"])
+        self._hysteresis_left = int(state["hysteresis_left"])
+        self.num_overflows = int(state["num_overflows"])
+
+    def __repr__(self) -> str:
+        return (f"LossScaler(scale={self._scale:g}, dynamic={self.dynamic}, clean_steps={self._clean_steps}/"
+                f"{self.growth_interval}, hysteresis_left={self._hysteresis_left}/{self.hysteresis})")
+
+
+def make_loss_scaler(policy: PrecisionPolicy, **kwargs: Any) -> LossScaler | None:
+    """A LossScaler for fp16 policies, None otherwise (the engine's 'no scaling' signal)."""
+    return LossScaler(**kwargs) if policy.uses_loss_scaler else None
+
+
+def has_inf_or_nan(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """float32 scalar tensor: 1.0 if any element of any tensor is inf, -inf or nan, else 0.0.
+
+    One max-|x| reduction per tensor (`_foreach_norm` with ord=inf: fused on CUDA, no copy of
+    the data, inf stays inf and nan propagates), then one max over those; never reads the
+    result on the host, so the engine can all-reduce (MAX) it before the only sync. The inf
+    norm is exact in every dtype, so, unlike a sum or a 2-norm, a large but finite gradient
+    cannot overflow into a false alarm. The result lives on the first tensor's device
+    (CPU for an empty list).
+    """
+    tensors = [t for t in tensors if t.numel() > 0]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32)
+    norms = torch._foreach_norm(tensors, ord=float("inf"))
+    device = tensors[0].device
+    largest = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]).max()
+    return (~torch.isfinite(largest)).to(torch.float32)
