@@ -19,6 +19,13 @@ def _checkpointed(forward):
     return lambda h: checkpoint(forward, h, use_reentrant=False)
 
 
+def _random_tokens(cfg: GPTConfig, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) drawn uniformly and independently, so no input says anything about its target."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(cfg.vocab_size, (2, batch_size, cfg.block_size), generator=gen)
+    return x, y
+
+
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -71,11 +78,14 @@ def test_sequence_longer_than_block_size_is_rejected(corpus: CharCorpus) -> None
 
 
 @pytest.mark.parametrize("name", ["tiny", "small"])
-def test_initial_loss_is_near_log_vocab(corpus: CharCorpus, name: str) -> None:
-    """At init the prediction is near uniform, so the loss is close to ln(vocab_size)."""
+def test_initial_loss_is_near_log_vocab(name: str) -> None:
+    """At init the prediction is near uniform, so the loss on unrelated targets is close to ln(vocab_size)."""
     cfg = preset(name)
-    _, loss = build_model(cfg)(*corpus.batch(8, cfg.block_size, step=0))
-    # std-0.02 weights give logits of order 0.01-0.1, which move the loss by a few hundredths.
+    _, loss = build_model(cfg)(*_random_tokens(cfg, 16))
+    # std-0.02 weights give logits of std 0.02 * sqrt(n_embd) ~ 0.1-0.2, which raise the loss by
+    # about half their variance: a few hundredths. (Real text is not used here: in source code a
+    # space often follows a space, and at init a token's own logit is its largest, so the loss
+    # on corpus batches drifts with the corpus content.)
     assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.1
 
 
@@ -113,10 +123,10 @@ def test_two_identical_steps_give_bitwise_equal_grads(corpus: CharCorpus) -> Non
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_model_trains_without_dtype_errors(corpus: CharCorpus, dtype: torch.dtype) -> None:
+def test_low_precision_model_trains_without_dtype_errors(dtype: torch.dtype) -> None:
     """With every parameter in bf16/fp16, forward/backward run; the loss is fp32, grads in the param dtype."""
     model = build_model("tiny").to(dtype)
-    logits, loss = model(*corpus.batch(4, 32, step=0))
+    logits, loss = model(*_random_tokens(model.cfg, 4))
     loss.backward()
     assert logits.dtype == dtype and loss.dtype == torch.float32
     assert model.lm_head.weight is model.wte.weight  # .to() keeps the tie
