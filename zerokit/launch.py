@@ -11,6 +11,7 @@ a TimeoutError names the ones still running. Under torchrun none of this is used
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_module
 import tempfile
 import time
@@ -37,7 +38,9 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s:
             value = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, "ok", value))
+        # Plain pickle to bytes: tensors travel by value, not as shared-memory handles that
+        # would die with this process before the parent reads them.
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:  # report every failure, then exit non-zero
         results.put((rank, "error", traceback.format_exc()))
         raise SystemExit(1)
@@ -85,8 +88,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
                     else:
                         continue
                 if status == "error":
-                    raise RankFailed(f"rank {rank} of {world_size} failed:\n{value}")
-                values[rank] = value
+                    raise RankFailed(_describe_failures(world_size, {rank: value}, results))
+                values[rank] = pickle.loads(value)
         finally:
             for p in procs:
                 p.join(timeout=5)
@@ -95,3 +98,25 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
                     p.kill()
                     p.join()
     return [values[r] for r in range(world_size)]
+
+
+_KNOCK_ON = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def _describe_failures(world_size: int, errors: dict[int, str], results, grace_s: float = 2.0) -> str:
+    """All failing ranks' tracebacks, the root cause first.
+
+    When one rank raises, its peers fail moments later inside a collective ("connection
+    reset by peer"); collect those for a short grace period and list them after the
+    rank whose failure was not such a knock-on effect.
+    """
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and len(errors) < world_size:
+        try:
+            rank, status, value = results.get(timeout=max(0.05, deadline - time.monotonic()))
+        except queue_module.Empty:
+            break
+        if status == "error":
+            errors[rank] = value
+    order = sorted(errors, key=lambda r: (any(m in errors[r] for m in _KNOCK_ON), r))
+    return "\n".join(f"rank {r} of {world_size} failed:\n{errors[r]}" for r in order)

@@ -1,0 +1,68 @@
+"""Pure index math: flatten -> pad -> shard -> gather -> unflatten, and bucket plans."""
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zerokit.core.bucketing import plan_buckets
+from zerokit.core.partition import FlatLayout, padded_numel, shard_range
+
+shapes = st.lists(st.lists(st.integers(0, 12), min_size=0, max_size=3).map(tuple), min_size=1, max_size=8)
+
+
+@given(numel=st.integers(0, 10_000), world_size=st.integers(1, 8))
+def test_padding_is_the_smallest_multiple_of_world_size(numel, world_size):
+    """Padded size is a positive multiple of N, at least numel, and pads by less than N (one row when empty)."""
+    padded = padded_numel(numel, world_size)
+    assert padded % world_size == 0 and padded >= numel
+    assert padded - numel < world_size or numel == 0
+    shards = [shard_range(padded, world_size, r) for r in range(world_size)]
+    assert len({hi - lo for lo, hi in shards}) == 1, "shards are equal-sized"
+    assert shards[0][0] == 0 and shards[-1][1] == padded
+    assert all(a[1] == b[0] for a, b in zip(shards, shards[1:])), "shards tile the buffer"
+
+
+@settings(deadline=None, max_examples=60)
+@given(shapes=shapes, world_size=st.integers(1, 8), seed=st.integers(0, 2**16))
+def test_flatten_shard_gather_unflatten_round_trips_exactly(shapes, world_size, seed):
+    """Every element survives flatten -> pad -> shard -> gather -> unflatten bit for bit; padding stays zero."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(s, generator=g) for s in shapes]
+    layout = FlatLayout.build(shapes, world_size)
+    flat = torch.zeros(layout.padded_numel)
+    for t, o in zip(tensors, layout.offsets):
+        flat[o:o + t.numel()] = t.flatten()
+    shards = [flat[lo:hi].clone() for lo, hi in (layout.shard_range(r) for r in range(world_size))]
+    gathered = torch.cat(shards)
+    assert gathered.numel() == layout.padded_numel
+    assert torch.count_nonzero(gathered[layout.numel:]) == 0
+    for t, o, s in zip(tensors, layout.offsets, layout.shapes):
+        assert torch.equal(gathered[o:o + math.prod(s)].view(s), t)
+    # pieces: each rank's view of each parameter covers every element exactly once
+    covered = [torch.zeros(t.numel(), dtype=torch.int32) for t in tensors]
+    for r in range(world_size):
+        for piece in layout.pieces(r):
+            covered[piece.index][piece.start:piece.end] += 1
+            assert torch.equal(shards[r][piece.shard_offset:piece.shard_offset + piece.numel],
+                               tensors[piece.index].flatten()[piece.start:piece.end])
+    assert all(bool((c == 1).all()) for c in covered)
+
+
+@given(numels=st.lists(st.integers(0, 500), min_size=0, max_size=40), cap=st.integers(1, 800))
+def test_bucket_plan_covers_every_parameter_once_in_reverse_order(numels, cap):
+    """Buckets are contiguous runs, filled from the last parameter backwards, each within the cap unless one param."""
+    buckets = plan_buckets(numels, cap)
+    flat = [i for b in buckets for i in b]
+    assert sorted(flat) == list(range(len(numels)))
+    for b in buckets:
+        assert b == list(range(b[0], b[-1] + 1)), "a bucket is a contiguous run"
+        assert len(b) == 1 or sum(numels[i] for i in b) <= cap
+    assert [b[-1] for b in buckets] == sorted((b[-1] for b in buckets), reverse=True), "last params first"
+
+
+def test_zero_size_and_one_element_parameters_get_a_place():
+    """A (0,)-shaped and a 1-element parameter still get offsets; an all-empty buffer pads to one row per rank."""
+    layout = FlatLayout.build([(0,), (1,), (7, 15)], 4)
+    assert layout.offsets == (0, 0, 1) and layout.numel == 106 and layout.padded_numel == 108
+    assert FlatLayout.build([(0,)], 3).padded_numel == 3
