@@ -1,0 +1,258 @@
+"""Per-rank memory of ZeRO training, by category: the formulas that predict it.
+
+[Note: memory formulas]
+Ψ = number of parameters, N = ranks. Training keeps four kinds of "model state" per parameter
+(bytes per parameter, before any sharding):
+
+    category           fp32 training            mixed precision (bf16 / fp16)
+    params             4  (fp32 weights)        2  (the weights forward and backward run on)
+    grads              4                        2
+    master_params      0  (params ARE fp32)     4  (fp32 copy the optimizer updates)
+    optimizer_states   Adam 8 (m, v in fp32), SGD with momentum 4, plain SGD 0 — in both
+
+so mixed-precision Adam costs the lecture's 2 + 2 + 12 = 16 bytes per parameter. ZeRO stage k
+shards one more category than stage k - 1 across the N ranks:
+
+    stage  sharded                          bytes per rank (mixed, Adam)
+    0      nothing (DDP)                    16Ψ
+    1      optimizer states + master        4Ψ + 12Ψ/N
+    2      + grads                          2Ψ + 14Ψ/N
+    3      + params                         16Ψ/N         (+ the working set, see below)
+
+For Ψ = 7.5e9, N = 64 that is 120 / 31.4 / 16.6 / 1.9 GB (GB = 10^9 bytes, as the ZeRO paper
+and the lecture count).
+
+Up to padding. A sharded category lives in a flat buffer padded with zeros to a multiple of N
+(core/partition.py), so a rank holds ceil(Ψ/N) elements of it, not Ψ/N. `estimate` uses that
+padded count, so its results are exact integers and at most (N - 1) elements per buffer above
+the real-valued formula. A real engine may pad several buffers (one per parameter group, or per
+ZeRO-3 unit); each adds less than N elements.
+
+Frozen parameters (the LoRA base) have weights only: no grad, no master copy, no optimizer state.
+With Ψ_t trainable of Ψ, the trainable part follows the table above and the frozen Ψ - Ψ_t cost
+their weight bytes, sharded only at stage 3. Trainable and frozen weights sit in separate flat
+buffers (one needs gradients, the other does not), so each is padded on its own.
+
+What is not here. Activations are not model states and no ZeRO stage shards them: they grow with
+batch size and sequence length; `activation_bytes_estimate` gives a rough figure for zerokit's GPT.
+Stage 3 also holds its working set, the unsharded units being computed and prefetched (see
+DESIGN.md); communication buffers, the CUDA context and allocator fragmentation are not counted.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from numbers import Integral
+from typing import Any
+
+# =============================================================================================
+# Analytic formulas: pure integer arithmetic, no process group, no tensors.
+# =============================================================================================
+
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+
+# Optimizer state bytes per trainable parameter; states are fp32 under every precision policy.
+OPTIMIZER_STATE_BYTES: dict[str, int] = {
+    "adam": 8,  # exp_avg + exp_avg_sq
+    "adamw": 8,  # same states as Adam; weight decay is applied to the weights, not stored
+    "sgd_momentum": 4,  # momentum_buffer
+    "sgd": 0,
+}
+
+CATEGORIES: tuple[str, ...] = ("params", "grads", "master_params", "optimizer_states", "activations")
+
+STAGE_NAMES: dict[int, str] = {0: "DDP baseline", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes held by one rank, by category. `total` is the sum; `as_dict()` has one key per category."""
+
+    params: int
+    grads: int
+    master_params: int
+    optimizer_states: int
+    activations: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.master_params + self.optimizer_states + self.activations
+
+    def as_dict(self) -> dict[str, int]:
+        """Category -> bytes, categories only (so the values sum to `total`), same keys as engine.memory()."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BytesPerParam:
+    """Bytes per parameter of each model-state category, before sharding."""
+
+    params: int
+    grads: int
+    master_params: int
+    optimizer_states: int
+
+
+def bytes_per_param(precision: str = "bf16", optimizer: str = "adam") -> BytesPerParam:
+    """The per-parameter cost of each category under `precision` and `optimizer` (table in the module docstring)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"optimizer must be one of {tuple(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
+    states = OPTIMIZER_STATE_BYTES[optimizer]
+    if precision == "fp32":
+        # The fp32 params are what the optimizer updates, so there is no separate master copy.
+        return BytesPerParam(params=4, grads=4, master_params=0, optimizer_states=states)
+    return BytesPerParam(params=2, grads=2, master_params=4, optimizer_states=states)
+
+
+def _as_count(value: int | float, name: str) -> int:
+    """An integral, non-negative count from an int or an integral float like 7.5e9."""
+    if isinstance(value, bool) or not isinstance(value, (Integral, float)):
+        raise TypeError(f"{name} must be an int (or an integral float such as 7.5e9), got {value!r}")
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{name} must be a whole number of parameters, got {value!r}")
+    count = int(value)
+    if count < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return count
+
+
+def _check_stage(stage: int) -> None:
+    if isinstance(stage, bool) or not isinstance(stage, Integral) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+
+
+def _shard_numel(numel: int, world_size: int) -> int:
+    """Elements per rank of a buffer of `numel` padded to a multiple of world_size: ceil(numel / N)."""
+    return -(-numel // world_size)  # integer ceil: exact for any size, unlike float division
+
+
+def estimate(num_params: int | float, world_size: int, stage: int, precision: str = "bf16",
+             optimizer: str = "adam", trainable_params: int | float | None = None) -> MemoryEstimate:
+    """Model-state bytes on one rank for ZeRO `stage` at `world_size` ranks, up to padding.
+
+    num_params: Ψ, all parameters (trainable and frozen). trainable_params: Ψ_t, defaults to Ψ;
+    the Ψ - Ψ_t frozen ones (LoRA base weights) cost only their weights. `activations` is 0: add
+    an activation estimate yourself (dataclasses.replace) since it depends on batch and sequence.
+    """
+    psi = _as_count(num_params, "num_params")
+    psi_t = psi if trainable_params is None else _as_count(trainable_params, "trainable_params")
+    if psi_t > psi:
+        raise ValueError(f"trainable_params={psi_t} exceeds num_params={psi}")
+    if isinstance(world_size, bool) or not isinstance(world_size, Integral) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    _check_stage(stage)
+    per = bytes_per_param(precision, optimizer)
+    psi_f = psi - psi_t
+
+    # Element counts per rank, trainable part: full Ψ_t when replicated, ceil(Ψ_t / N) when sharded.
+    full_t, shard_t = psi_t, _shard_numel(psi_t, world_size)
+    states_numel = shard_t if stage >= 1 else full_t  # master + optimizer states go together at stage 1
+    grads_numel = shard_t if stage >= 2 else full_t
+    params_numel = (shard_t + _shard_numel(psi_f, world_size)) if stage >= 3 else psi
+
+    return MemoryEstimate(
+        params=per.params * params_numel,
+        grads=per.grads * grads_numel,
+        master_params=per.master_params * states_numel,
+        optimizer_states=per.optimizer_states * states_numel,
+    )
+
+
+def per_rank_formula(stage: int, precision: str = "bf16", optimizer: str = "adam") -> str:
+    """The bytes-per-rank formula as text, e.g. "4Ψ+12Ψ/N" for stage 1, mixed precision, Adam."""
+    _check_stage(stage)
+    per = bytes_per_param(precision, optimizer)
+    # Categories in sharding order: stage k shards the last k groups of this list.
+    groups = [per.params, per.grads, per.master_params + per.optimizer_states]
+    replicated = sum(groups[: 3 - stage])
+    sharded = sum(groups[3 - stage:])
+    terms = []
+    if replicated:
+        terms.append(f"{replicated}Ψ")
+    if sharded:
+        terms.append(f"{sharded}Ψ/N")
+    return "+".join(terms) or "0"
+
+
+def _attr(cfg: Any, name: str) -> int:
+    value = getattr(cfg, name, None)
+    if value is None:
+        raise TypeError(f"cfg needs a GPTConfig-like attribute {name!r}; got {type(cfg).__name__}")
+    return int(value)
+
+
+def activation_bytes_estimate(cfg: Any, batch_size: int, precision: str, checkpointing: bool = False,
+                              seq_len: int | None = None) -> int:
+    """Rough bytes of activations saved for backward on one rank, for zerokit's GPT (models.py).
+
+    `cfg` is any object with vocab_size, block_size, n_layer, n_head, n_embd, mlp_ratio;
+    B = batch_size (per rank), T = seq_len (default cfg.block_size), d = n_embd, m = mlp_ratio,
+    H = n_head, V = vocab_size, L = n_layer, e = element bytes (4 for fp32, 2 for bf16/fp16).
+
+    Per block, the tensors autograd keeps (pre-LayerNorm block, fused scaled-dot-product
+    attention, no dropout), in elements:
+        ln_1 input, ln_1 output (shared input of q, k, v)     2·B·T·d
+        q, k, v (kept by attention)                           3·B·T·d
+        attention output (o's input is a view of it)          1·B·T·d
+        ln_2 input, ln_2 output                               2·B·T·d
+        fc output (GELU input), GELU output (proj input)      2·m·B·T·d
+    i.e. B·T·d·(8 + 2m) elements of e bytes, plus fp32 side tensors: attention's log-sum-exp
+    (B·H·T) and each LayerNorm's mean and rstd (B·T each; fp32 as CUDA keeps them, while CPU
+    kernels keep them in the compute dtype: 4·B·T bytes less per LayerNorm at 16 bits). A fused
+    attention kernel never stores the T x T score matrix; a non-fused one would add B·H·T²
+    elements per block.
+    Head: ln_f input and output 2·B·T·d and the logits B·T·V at e bytes, plus the fp32
+    log-softmax B·T·V the loss keeps.
+
+        no checkpointing:  L · block + head
+        checkpointing:     (L - 1) · B·T·d·e + block + head
+    With checkpointing each block keeps only its input; during backward one block at a time is
+    recomputed, so one block's full set is alive on top of the other L - 1 inputs.
+
+    Without checkpointing this is, tensor for tensor, what a forward pass of models.GPT saves
+    (tests/unit/test_memory_formulas.py measures it: exact at fp32 on CPU, and at 16 bits up to
+    the LayerNorm statistics above). It is still rough as a peak: it ignores the gradient buffers
+    alive during backward, allocator rounding, integer tensors (token ids) and the scalar loss.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+        raise ValueError(f"batch_size must be an int >= 0, got {batch_size!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    V, L, H, d, m = (_attr(cfg, n) for n in ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_ratio"))
+    T = _attr(cfg, "block_size") if seq_len is None else seq_len
+    if isinstance(T, bool) or not isinstance(T, int) or T < 1:
+        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    e = 4 if precision == "fp32" else 2
+    tokens = batch_size * T
+    fp32 = 4
+    block = tokens * d * (8 + 2 * m) * e + batch_size * H * T * fp32 + 2 * (2 * tokens) * fp32
+    head = tokens * 2 * d * e + tokens * V * e + tokens * V * fp32 + 2 * tokens * fp32
+    if not checkpointing:
+        return L * block + head
+    return (L - 1) * tokens * d * e + block + head
+
+
+def zero3_working_set_bytes(cfg: Any, precision: str = "bf16", prefetch: int = 1) -> int:
+    """Rough peak bytes of unsharded ZeRO-3 units on one rank, for zerokit's GPT wrapped per Block.
+
+    Assumes the root unit (token and position embeddings, final LayerNorm; the head is tied to
+    the token embedding) stays gathered through forward and backward, and Block units are gathered
+    one at a time plus `prefetch` ahead. Each gathered element costs its weight and, in backward,
+    its unsharded gradient until the reduce-scatter, both in the parameter dtype:
+
+        (root + (1 + prefetch) · block) · 2 · e,   block = 4d² + 2m·d² (+ biases and LayerNorms)
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+    V, T, d, m = (_attr(cfg, n) for n in ("vocab_size", "block_size", "n_embd", "mlp_ratio"))
+    b = int(getattr(cfg, "bias", True))
+    layernorm = d + b * d
+    block = 2 * layernorm + 4 * (d * d + b * d) + (d * m * d + b * m * d) + (m * d * d + b * d)
+    root = V * d + T * d + layernorm
+    e = 4 if precision == "fp32" else 2
+    return (root + (1 + prefetch) * block) * 2 * e
+
+# ------------------------------------------------------------------ end of the analytic formulas

@@ -1,0 +1,346 @@
+"""`zerokit plan`: the lecture's "what should I use" decision flow, answered with bytes.
+
+The flow (lecture, last slide), cheapest remedy first:
+
+1. Always train in mixed precision: bf16 where the GPU supports it (Ampere or newer), else fp16
+   with a dynamic loss scaler. Both cost 2 + 2 + 12 = 16 bytes of model state per parameter.
+2. Try batch size 1 with ZeRO stage 2, which is free (same communication as DDP). If it fits,
+   use it and grow the batch until memory runs out.
+3. If not, ZeRO stage 3 / FSDP (1.5x DDP's communication), then activation checkpointing
+   (recompute each block in backward: more compute, far fewer saved activations).
+4. If even that fails, LoRA: freeze the base, adapt q and v with r = 8, α = 1. Frozen weights
+   cost 2 bytes each; only the adapters carry grads, fp32 masters and Adam states.
+
+With one GPU there is nothing to shard across, so ZeRO cannot help: the flow checks plain
+training (with and without checkpointing), then LoRA, and otherwise points at quantizing the
+frozen base weights.
+
+`plan()` is the pure decision function (bytes in, a `Plan` out, with one reasoning line per
+check); the command wraps it with the model shape: `--model NAME` takes it from models.py, or a
+GPT-3-like shape is guessed from Ψ (`guess_shape`, stated in the output). Each check compares
+model states (`core.memory.estimate`) + the stage-3 working set + activations
+(`core.memory.activation_bytes_estimate`) with the GPU's memory. Not counted: the CUDA context,
+communication buckets, allocator fragmentation; leave headroom for them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from zerokit.core.memory import (
+    activation_bytes_estimate,
+    bytes_per_param,
+    estimate,
+    per_rank_formula,
+    zero3_working_set_bytes,
+)
+from zerokit.memory_cmd import parse_bytes, parse_count
+
+LORA_TARGETS: tuple[str, ...] = ("q", "v")
+LORA_RANK = 8
+LORA_ALPHA = 1.0
+MAX_BATCH_SIZE = 1 << 20  # the batch search stops here; activations that never grow would loop forever
+DEFAULT_SEQ_LEN = 1024  # sequence length assumed when neither --seq-len nor --model gives one
+GPT2_VOCAB_SIZE = 50257  # vocabulary assumed for a guessed shape (GPT-2's BPE)
+
+# (batch_size, checkpointing) -> activation bytes per GPU
+ActivationFn = Callable[[int, bool], int]
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """A GPTConfig-like shape (the attributes core.memory reads), for a model known only by Ψ."""
+
+    vocab_size: int
+    block_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    mlp_ratio: int = 4
+
+
+def guess_shape(num_params: int, seq_len: int = DEFAULT_SEQ_LEN) -> GPTShape:
+    """A GPT-3-like shape with about `num_params` parameters in its blocks.
+
+    GPT-3's larger models keep d_model ≈ 128 · n_layer (6.7B: 4096 / 32, 175B: 12288 / 96) and
+    heads of width 128. A block has ≈ 12·d² weights, so Ψ ≈ 12 · L · d² = 12 · d³ / 128 gives
+    d = cbrt(128 Ψ / 12), rounded to a multiple of 128, and L = Ψ / (12 d²). Only the activation
+    and LoRA estimates use this shape; the model-state bytes always use the Ψ given.
+    """
+    if num_params < 1:
+        raise ValueError(f"num_params must be >= 1, got {num_params}")
+    d = max(128, 128 * round((128 * num_params / 12) ** (1 / 3) / 128))
+    n_layer = max(1, round(num_params / (12 * d * d)))
+    return GPTShape(vocab_size=GPT2_VOCAB_SIZE, block_size=seq_len, n_layer=n_layer, n_head=d // 128, n_embd=d)
+
+
+def lora_adapter_params(cfg: Any, rank: int = LORA_RANK, targets: tuple[str, ...] = LORA_TARGETS) -> int:
+    """Adapter parameters LoRA adds to zerokit's GPT: r·(d + k) per adapted (d x k) matrix.
+
+    q, k, v and o are all n_embd x n_embd, so each adapted matrix adds 2·r·n_embd, per block.
+    """
+    unknown = set(targets) - {"q", "k", "v", "o"}
+    if unknown:
+        raise ValueError(f"targets must name attention projections q, k, v, o; got {sorted(unknown)}")
+    return cfg.n_layer * len(targets) * rank * 2 * cfg.n_embd
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The answer: what to run, what it costs per GPU, and the reasoning that led there."""
+
+    decision: str  # "zero2" | "zero3" | "single_gpu" | "lora" | "does_not_fit"
+    precision: str  # "bf16" | "fp16"
+    loss_scaler: bool  # fp16 needs a dynamic loss scaler, bf16 does not
+    stage: int | None  # ZeRO stage to run; None when nothing fits
+    checkpointing: bool
+    lora: bool
+    batch_size: int  # per-GPU batch the checks were made at
+    max_batch_size: int | None  # largest per-GPU batch that fits the choice; None: unknown or nothing fits
+    bytes_per_gpu: int  # model states + working set + activations at batch_size (of the last option tried if none fits)
+    reasons: tuple[str, ...]
+
+
+def _gb(num_bytes: int) -> str:
+    return f"{num_bytes / 1e9:.2f} GB"
+
+
+@dataclass(frozen=True)
+class _Option:
+    """One configuration the flow tries."""
+
+    stage: int
+    checkpointing: bool
+    lora: bool
+
+    def label(self) -> str:
+        parts = ["LoRA" if self.lora else "full fine-tuning", f"ZeRO-{self.stage}" if self.stage else "no ZeRO"]
+        if self.checkpointing:
+            parts.append("activation checkpointing")
+        return " + ".join(parts)
+
+
+def _cost_note(opt: _Option) -> str:
+    """What the chosen option costs besides memory, as the lecture ranks them."""
+    notes = []
+    if opt.stage in (1, 2):
+        notes.append("ZeRO-1/2 are free: reduce-scatter + all-gather move the bytes DDP's all-reduce moves")
+    if opt.stage == 3:
+        notes.append("ZeRO-3 moves 1.5x DDP's bytes (an extra all-gather), hidden by prefetch when layers are big")
+    if opt.checkpointing:
+        notes.append("checkpointing recomputes each block's forward in backward")
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
+def plan(num_params: int | float, num_gpus: int, gpu_memory_bytes: int, bf16: bool = True,
+         activation_bytes: ActivationFn | None = None, *, batch_size: int = 1,
+         lora_trainable_params: int | None = None, working_set_bytes: int = 0,
+         optimizer: str = "adam") -> Plan:
+    """Walk the lecture's decision flow for Ψ = num_params on num_gpus GPUs of gpu_memory_bytes each.
+
+    activation_bytes(batch_size, checkpointing) -> bytes per GPU; None counts activations as 0
+    (and then no batch limit can be given). lora_trainable_params: adapter parameters LoRA adds;
+    None guesses them from a GPT-3-like shape (`guess_shape`). working_set_bytes: the stage-3
+    unsharded units alive at once, weights and gradients (`core.memory.zero3_working_set_bytes`),
+    added at stage 3 only, and halved under LoRA, whose frozen weights have no gradient.
+    """
+    psi = int(num_params)
+    if psi != num_params or psi < 1:
+        raise ValueError(f"num_params must be a whole number >= 1, got {num_params!r}")
+    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
+        raise ValueError(f"num_gpus must be an int >= 1, got {num_gpus!r}")
+    if gpu_memory_bytes <= 0:
+        raise ValueError(f"gpu_memory_bytes must be > 0, got {gpu_memory_bytes!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if working_set_bytes < 0:
+        raise ValueError(f"working_set_bytes must be >= 0, got {working_set_bytes!r}")
+
+    precision = "bf16" if bf16 else "fp16"
+    per = bytes_per_param(precision, optimizer)
+    per_total = per.params + per.grads + per.master_params + per.optimizer_states
+    reasons: list[str] = []
+    if bf16:
+        reasons.append(f"mixed precision: bf16 (fp32's exponent range, so no loss scaler); model states "
+                       f"{per.params} + {per.grads} + {per.master_params + per.optimizer_states} = "
+                       f"{per_total} B/param before sharding")
+    else:
+        reasons.append(f"mixed precision: fp16 + dynamic loss scaler (no bf16 here; fp16's narrow range "
+                       f"underflows small gradients unless the loss is scaled); model states "
+                       f"{per.params} + {per.grads} + {per.master_params + per.optimizer_states} = "
+                       f"{per_total} B/param before sharding")
+    reasons.append(f"Ψ = {psi:,} parameters on {num_gpus} GPU(s) of {_gb(gpu_memory_bytes)}, "
+                   f"per-GPU batch {batch_size}")
+    if activation_bytes is None:
+        reasons.append("activations not estimated (counted as 0 B): the batch limit is unknown")
+    if lora_trainable_params is None:
+        shape = guess_shape(psi)
+        lora_t = lora_adapter_params(shape)
+        lora_note = (f"Ψ_t = {lora_t:,} adapter params, assuming a GPT-3-like shape "
+                     f"(L = {shape.n_layer}, d = {shape.n_embd}): {len(LORA_TARGETS)}·2·r·d per block")
+    else:
+        lora_t = int(lora_trainable_params)
+        lora_note = f"Ψ_t = {lora_t:,} adapter params"
+
+    def breakdown(opt: _Option, batch: int) -> tuple[int, int, int]:
+        """(model-state bytes, stage-3 working set, activation bytes) per GPU for `opt` at `batch`."""
+        if opt.lora:  # the adapters are extra parameters; only they train
+            states = estimate(psi + lora_t, num_gpus, opt.stage, precision, optimizer, trainable_params=lora_t)
+        else:
+            states = estimate(psi, num_gpus, opt.stage, precision, optimizer)
+        ws = 0
+        if opt.stage == 3:
+            # working_set_bytes counts gathered weights and their gradients equally; frozen weights
+            # get no gradient, so under LoRA only the weight half remains (adapters are negligible).
+            ws = working_set_bytes // 2 if opt.lora else working_set_bytes
+        a = 0 if activation_bytes is None else int(activation_bytes(batch, opt.checkpointing))
+        return states.total, ws, a
+
+    def need(opt: _Option, batch: int) -> int:
+        return sum(breakdown(opt, batch))
+
+    def explain(opt: _Option) -> tuple[bool, int, str]:
+        """Does `opt` fit at batch_size? Returns (fits, bytes, reasoning line)."""
+        states, ws, a = breakdown(opt, batch_size)
+        if opt.lora:
+            what = f"states {_gb(states)} (frozen base {per.params} B/param; adapters {per_total} B/param)"
+        else:
+            what = f"states {per_rank_formula(opt.stage, precision, optimizer)} = {_gb(states)}"
+        if ws:
+            what += f" + working set {_gb(ws)}"
+        total = states + ws + a
+        fits = total <= gpu_memory_bytes
+        line = (f"try {opt.label()} at batch {batch_size}: {what} + activations {_gb(a)} = {_gb(total)} "
+                f"{'<=' if fits else '>'} {_gb(gpu_memory_bytes)}: {'fits' if fits else 'does not fit'}")
+        return fits, total, line
+
+    def largest_batch(opt: _Option) -> int | None:
+        """Largest batch >= batch_size that fits, by bisection (activations grow with the batch)."""
+        if activation_bytes is None:
+            return None
+        lo, hi = batch_size, MAX_BATCH_SIZE
+        if need(opt, hi) <= gpu_memory_bytes:
+            return hi
+        while hi - lo > 1:  # invariant: lo fits, hi does not
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if need(opt, mid) <= gpu_memory_bytes else (lo, mid)
+        return lo
+
+    def choose(decision: str, opt: _Option, total: int) -> Plan:
+        max_batch = largest_batch(opt)
+        if max_batch is not None:
+            if max_batch == batch_size:
+                reasons.append(f"-> the batch cannot grow: {batch_size + 1} would need "
+                               f"{_gb(need(opt, batch_size + 1))}; reach larger batches by gradient accumulation")
+            else:
+                cap = "at least " if max_batch == MAX_BATCH_SIZE else ""
+                reasons.append(f"-> grow the batch: the largest per-GPU batch that fits is {cap}{max_batch} "
+                               f"({_gb(need(opt, max_batch))})")
+        return Plan(decision=decision, precision=precision, loss_scaler=not bf16, stage=opt.stage,
+                    checkpointing=opt.checkpointing, lora=opt.lora, batch_size=batch_size,
+                    max_batch_size=max_batch, bytes_per_gpu=total, reasons=tuple(reasons))
+
+    if num_gpus == 1:
+        reasons.append("1 GPU: ZeRO shards model states across GPUs, so with one GPU it cannot help; "
+                       f"training holds all {per_total} B/param")
+        full = [_Option(0, False, False), _Option(0, True, False)]
+        lora = [_Option(0, False, True), _Option(0, True, True)]
+    else:
+        full = [_Option(2, False, False), _Option(3, False, False), _Option(3, True, False)]
+        lora = [_Option(2, False, True), _Option(3, False, True), _Option(3, True, True)]
+
+    total = 0
+    for opt in full:
+        fits, total, line = explain(opt)
+        reasons.append(line)
+        if fits:
+            decision = "single_gpu" if num_gpus == 1 else f"zero{opt.stage}"
+            reasons.append(f"-> use {opt.label()}, {precision}{_cost_note(opt)}")
+            return choose(decision, opt, total)
+
+    reasons.append(f"full fine-tuning does not fit even at batch {batch_size}: use LoRA on "
+                   f"{', '.join(LORA_TARGETS)} with r = {LORA_RANK}, α = {LORA_ALPHA:g}; {lora_note}")
+    for opt in lora:
+        fits, total, line = explain(opt)
+        reasons.append(line)
+        if fits:
+            reasons.append(f"-> use {opt.label()}, {precision}{_cost_note(opt)}")
+            return choose("lora", opt, total)
+
+    quantized = math.ceil(psi / 2)  # 4-bit weights: half a byte per parameter
+    advice = (f"quantize the frozen base weights (4-bit: {_gb(quantized)} instead of {_gb(per.params * psi)}) "
+              "and train LoRA on top")
+    if num_gpus > 1:
+        advice = f"use more GPUs (sharded states shrink as 1/N), shorter sequences, or {advice}"
+    else:
+        advice = f"use more GPUs with ZeRO-3, shorter sequences, or {advice}"
+    reasons.append(f"nothing fits: {advice}")
+    return Plan(decision="does_not_fit", precision=precision, loss_scaler=not bf16, stage=None,
+                checkpointing=True, lora=True, batch_size=batch_size, max_batch_size=None,
+                bytes_per_gpu=total, reasons=tuple(reasons))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=parse_count, metavar="P", help="parameter count Ψ, e.g. 7.5e9 or 7.5B")
+    what.add_argument("--model", metavar="NAME",
+                      help="a models.py preset (tiny, small, gpt2-small, gpt2-medium, gpt2-xl): Ψ and shape")
+    parser.add_argument("--gpus", type=int, required=True, metavar="G", help="number of GPUs")
+    parser.add_argument("--gpu-memory", type=parse_bytes, required=True, metavar="GB",
+                        help="memory per GPU: a number is GB (10^9 bytes); 80GiB for binary units")
+    parser.add_argument("--no-bf16", action="store_true",
+                        help="the GPU has no bf16 (pre-Ampere): fp16 with a loss scaler")
+    parser.add_argument("--batch-size", type=int, default=1, metavar="B",
+                        help="per-GPU batch the checks are made at (default 1, as the lecture says)")
+    parser.add_argument("--seq-len", type=int, metavar="S",
+                        help=f"tokens per sequence (default: the model's block_size, else {DEFAULT_SEQ_LEN})")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the plan as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("gpus", "batch_size", "seq_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"zerokit plan: --{name.replace('_', '-')} must be >= 1, got {value}")
+    precision = "fp16" if args.no_bf16 else "bf16"
+    if args.model is not None:
+        from zerokit import models  # lazy: torch is only needed when a preset is asked for
+
+        try:
+            cfg = models.preset(args.model)
+        except ValueError as err:
+            raise SystemExit(f"zerokit plan: --model: {err}") from None
+        num_params = models.num_params(cfg)
+        seq_len = args.seq_len or cfg.block_size
+        if seq_len > cfg.block_size:
+            raise SystemExit(f"zerokit plan: --seq-len {seq_len} exceeds {args.model}'s block_size {cfg.block_size}")
+        shape_line = (f"shape of {args.model}: L = {cfg.n_layer}, d = {cfg.n_embd}, H = {cfg.n_head}, "
+                      f"V = {cfg.vocab_size}, T = {seq_len}")
+    else:
+        num_params = args.params
+        seq_len = args.seq_len or DEFAULT_SEQ_LEN
+        cfg = guess_shape(num_params, seq_len)
+        shape_line = (f"no --model: activations, working set and LoRA use a guessed GPT-3-like shape "
+                      f"L = {cfg.n_layer}, d = {cfg.n_embd}, H = {cfg.n_head}, V = {cfg.vocab_size}, T = {seq_len}")
+
+    result = plan(
+        num_params, args.gpus, args.gpu_memory, bf16=not args.no_bf16,
+        activation_bytes=lambda b, ckpt: activation_bytes_estimate(cfg, b, precision, ckpt, seq_len=seq_len),
+        batch_size=args.batch_size, lora_trainable_params=lora_adapter_params(cfg),
+        working_set_bytes=zero3_working_set_bytes(cfg, precision),
+    )
+    print(shape_line)
+    for i, line in enumerate(result.reasons, 1):
+        print(f"{i:2d}. {line}")
+    print(f"decision: {result.decision}")
+    if args.json is not None:
+        record = {"num_params": num_params, "gpus": args.gpus, "gpu_memory_bytes": args.gpu_memory,
+                  "model": args.model, "seq_len": seq_len, **asdict(result)}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
