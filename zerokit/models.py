@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -103,6 +104,9 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
         # Tie after init: one Parameter, registered first under the name "wte.weight".
         self.lm_head.weight = self.wte.weight
+        # Activation checkpointing: keep only each block's input and recompute the block in
+        # backward (non-reentrant, so gradient hooks fire once). `zerokit train --checkpointing`.
+        self.checkpointing = False
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -119,7 +123,10 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)  # (T,) int64: an index, so no float dtype to match
         x = self.wte(idx) + self.wpe(pos)  # (B, T, n_embd)
         for block in self.blocks:
-            x = block(x)
+            if self.checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size), in the parameter dtype
         loss = None
         if targets is not None:

@@ -1,0 +1,131 @@
+"""`zerokit train`: train the built-in GPT on the built-in corpus at any ZeRO stage.
+
+The same loop body runs for every stage; only `stage=` changes. Not under torchrun it
+spawns `--nproc` gloo ranks on this machine itself; under
+`torchrun --standalone --nproc-per-node 2 -m zerokit train` it joins torchrun's group.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3], help="ZeRO stage (0 = DDP)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--model", default="small", help="model preset (tiny, small, ...)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-step")
+    p.add_argument("--accumulate", type=int, default=1, help="micro-steps per optimizer step (no_sync)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0 = off)")
+    p.add_argument("--bucket-numel", type=int, default=1 << 16)
+    p.add_argument("--prefetch", type=int, default=1, help="stage 3: units gathered ahead")
+    p.add_argument("--lora", action="store_true", help="train LoRA adapters on q and v (r=8, alpha=1) only")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
+    """One rank's training; returns its summary (losses, memory, throughput)."""
+    import zerokit as zk
+    from zerokit.models import Block, CharCorpus, build_model
+
+    corpus = CharCorpus.load()
+    model = build_model(cfg["model"], seed=cfg["seed"])
+    model.checkpointing = cfg["checkpointing"]
+    if cfg["lora"]:
+        zk.lora.inject(model, targets=("q", "v"), rank=8, alpha=1.0)
+
+    def no_decay(name, param):  # biases, norms and embeddings' 1-D params: no weight decay
+        return {"weight_decay": 0.0} if param.dim() < 2 else {}
+
+    engine = zk.shard(model, torch.optim.AdamW, stage=cfg["stage"], precision=cfg["precision"], lr=cfg["lr"],
+                      weight_decay=cfg["weight_decay"], bucket_numel=cfg["bucket_numel"], wrap=(Block,),
+                      prefetch=cfg["prefetch"], param_groups=no_decay)
+    block = model.cfg.block_size
+    bar = None
+    if rank == 0 and not cfg["no_progress"]:
+        from tqdm import tqdm
+        bar = tqdm(total=cfg["steps"], desc=f"stage {cfg['stage']} x{world_size} {cfg['precision']}", unit="step")
+    losses, skipped = [], 0
+    tokens_per_step = cfg["batch_size"] * block * cfg["accumulate"] * world_size
+    start = time.perf_counter()
+    for step in range(cfg["steps"]):
+        engine.zero_grad()
+        for micro in range(cfg["accumulate"]):
+            x, y = corpus.batch(cfg["batch_size"], block, step * cfg["accumulate"] + micro, rank, world_size)
+            if micro < cfg["accumulate"] - 1:
+                with engine.no_sync():  # accumulate locally; communicate on the last micro-step
+                    _, loss = engine(x, y)
+                    engine.backward(loss / cfg["accumulate"])
+            else:
+                _, loss = engine(x, y)
+                engine.backward(loss / cfg["accumulate"])
+        if cfg["clip"] > 0:
+            engine.clip_grad_norm_(cfg["clip"])
+        if not engine.step():
+            skipped += 1
+        losses.append(float(loss.detach()))  # a sync point, once per step: fine for a demo
+        if bar is not None:
+            elapsed = time.perf_counter() - start
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step * (step + 1) / elapsed:,.0f}")
+            bar.update(1)
+    elapsed = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    return {
+        "rank": rank, "losses": losses, "skipped_steps": skipped, "memory": engine.memory(),
+        "tokens_per_s": tokens_per_step * cfg["steps"] / elapsed, "seconds": elapsed,
+        "comm_bytes": engine.comm_stats(), "loss_scale": engine.loss_scale,
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+
+
+def _torchrun_entry(cfg: dict) -> list[dict] | None:
+    import torch.distributed as dist
+
+    import zerokit as zk
+    rank, world_size = zk.init_distributed()
+    summary = train_loop(rank, world_size, cfg)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, summary)
+    dist.destroy_process_group()
+    return everyone if rank == 0 else None
+
+
+def report(summaries: list[dict], cfg: dict) -> None:
+    first = summaries[0]
+    losses = first["losses"]
+    tail = losses[-10:]
+    print(f"\nstage {cfg['stage']}, {len(summaries)} rank(s), {cfg['precision']}, model {cfg['model']} "
+          f"({first['num_params']:,} params, {first['trainable_params']:,} trainable)")
+    print(f"loss: first {losses[0]:.4f}  final {losses[-1]:.4f}  mean of last {len(tail)} {sum(tail) / len(tail):.4f}"
+          + (f"  (skipped steps: {first['skipped_steps']}, loss scale {first['loss_scale']:g})"
+             if cfg["precision"] == "fp16" else ""))
+    print(f"throughput: {first['tokens_per_s']:,.0f} tokens/s over {first['seconds']:.1f} s")
+    categories = list(first["memory"])
+    print("per-rank memory (bytes): " + "  ".join(f"{c:>16}" for c in categories))
+    for s in summaries:
+        print(f"  rank {s['rank']:<18}" + "  ".join(f"{s['memory'][c]:>16,}" for c in categories))
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = {k: v for k, v in vars(args).items() if k != "command"}
+    if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
+        summaries = _torchrun_entry(cfg)
+    elif args.nproc > 1:
+        from zerokit.launch import run_ranks
+        summaries = run_ranks(train_loop, args.nproc, cfg, timeout_s=24 * 3600)
+    else:
+        summaries = [train_loop(0, 1, cfg)]
+    if summaries is not None:
+        report(summaries, cfg)
+    return 0
