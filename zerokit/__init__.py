@@ -70,7 +70,7 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
           precision: str = "fp32", reduce_dtype: torch.dtype | None = None, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
           wrap=None, prefetch: int = 1, reshard_after_forward: bool = True, group=None, param_groups=None,
           loss_scaler: dict | None = None, ordered_reduction: bool | None = None, comm: Comm | None = None,
-          **optimizer_kwargs):
+          accumulate: str = "reduce_scatter", **optimizer_kwargs):
     """Wrap `model` for ZeRO stage `stage` (0 = DDP) and build its sharded optimizer.
 
     Every stage takes the same keywords (a stage ignores those it has no use for, such
@@ -81,7 +81,10 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     LossScaler keywords for fp16 (init_scale, growth_interval, hysteresis, ...).
     `ordered_reduction`: see core/comm.py [Note: ordered reduction] (None = ordered on
     gloo, native on NCCL). `comm` replaces `group`/`ordered_reduction` with a ready Comm
-    (for example a simulated rank of a larger world).
+    (for example a simulated rank of a larger world). `accumulate` (stage 2 only): how
+    gradients accumulate under `no_sync()` — "reduce_scatter" every micro-step into the
+    grad shard (low memory) or "local" full gradients until the last micro-step (less
+    communication); see stages/zero2.py.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {sorted(STAGES)}, got {stage!r}")
@@ -91,6 +94,8 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
         raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer class, got {optimizer_cls!r}")
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
+    if accumulate not in ("reduce_scatter", "local"):
+        raise ValueError(f"accumulate must be 'reduce_scatter' or 'local', got {accumulate!r}")
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     policy = make_policy(precision, reduce_dtype=reduce_dtype)
@@ -103,7 +108,7 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     engine_cls = getattr(importlib.import_module(module_name), class_name)
     return engine_cls(model, optimizer_cls, optimizer_kwargs, comm=comm, policy=policy, scaler=scaler,
                       bucket_numel=bucket_numel, param_groups=param_groups, wrap=wrap, prefetch=prefetch,
-                      reshard_after_forward=reshard_after_forward)
+                      reshard_after_forward=reshard_after_forward, accumulate=accumulate)
 
 
 def estimate(num_params, world_size: int, stage: int, precision: str = "bf16", **kwargs):
