@@ -97,14 +97,15 @@ def test_every_stage_equals_stage0_bitwise_under_mixed_precision(mixed, precisio
                 assert torch.equal(got["params"][k], ref["snapshot"][k]), (stage, k)
 
 
-# bf16 keeps 8 mantissa bits, fp16 11, but fp16 starts with the scaler's 2^16, overflows once,
-# skips that step and so runs one update behind fp32 for the rest of the run. Observed over 50
-# steps of the tiny GPT (loss 4.3 -> 3.2) at 2 and 3 ranks: bf16 mean |diff| ~0.001, max ~0.005;
-# fp16 mean ~0.01-0.016, max ~0.05-0.15 (the lag shows on the steepest steps). The corpus is
-# zerokit's own source, so exact figures move a little as the code changes; the bounds are ~2-5x
-# the observations and still far below the ~1.1 the loss falls.
-TRACK_MEAN_ATOL = {"bf16": 0.01, "fp16": 0.04}
-TRACK_MAX_ATOL = {"bf16": 0.05, "fp16": 0.3}
+# bf16 keeps 8 mantissa bits, fp16 11 (but fp16 starts at the scaler's 2^16, overflows once,
+# skips that step and runs one update behind fp32 from then on). Once the low bits of the
+# weights differ, the trajectories drift apart a little; how much depends on the batches, and
+# the corpus is zerokit's own source, which changes with every commit. Observed over 50 steps of
+# the tiny GPT (loss 4.3 -> 3.2) at 2 and 3 ranks across several versions of the corpus:
+# mean |diff| 0.001-0.016, max 0.005-0.15. Bounds: ~3x the worst observation, and still far
+# below the ~1.1 the loss falls: a broken master/unscale path misses them by orders of magnitude.
+TRACK_MEAN_ATOL = {"bf16": 0.05, "fp16": 0.05}
+TRACK_MAX_ATOL = {"bf16": 0.4, "fp16": 0.4}
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
