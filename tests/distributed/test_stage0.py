@@ -3,6 +3,8 @@
 One spawn per world size runs every case; each rank asserts, and returns what it saw
 so the parent asserts too.
 """
+import warnings
+
 import pytest
 import torch
 
@@ -24,14 +26,14 @@ DDP_ATOL = 1e-5
 
 
 def _stage0_cases(rank, world_size):
+    # zerokit must use torch's non-deprecated collective names: any FutureWarning fails the case.
+    warnings.simplefilter("error", FutureWarning)
     out = {}
     for name, (cls, kw) in OPTIMIZERS.items():
         ref_losses, ref_params = train_torch_ddp(rank, world_size, cls, kw, STEPS, BATCH)
-        before = None
         losses, params, engine = train_zerokit(rank, world_size, 0, cls, kw, STEPS, BATCH, bucket_numel=40)
         assert len(engine.flat_params) > 3, "the case must exercise several buckets"
         out[name] = dict(ref_losses=ref_losses, losses=losses, ref_params=ref_params, params=params)
-        del before
     # ledgers: one more step, measured
     model = odd_model()
     engine = zk.shard(model, torch.optim.AdamW, stage=0, bucket_numel=40, lr=1e-3)
