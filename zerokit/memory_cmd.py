@@ -8,15 +8,28 @@ beside the formula each row evaluates. The numbers come from `zerokit.core.memor
 (exact integers, padded shards); GB means 10^9 bytes, as in the ZeRO paper and the lecture.
 `--model NAME` takes Ψ from a models.py preset, and then also shows the stage-3 working set and
 the activations of one sequence, which the stage rows leave out. `--json PATH` writes the bytes.
+
+    zerokit memory --simulate --model gpt2-small --world-size 64 --stage 3
+
+measures instead of computing: this one process builds the real model and plays rank 0 of N
+(`Comm(simulate=Simulated(0, N))`: collectives return correctly shaped results computed
+locally, see core/comm.py), runs one forward, backward and optimizer step on a tiny batch
+(1 sequence of 8 tokens), and prints the ledger of what it really allocated (core/memory.py
+`ledger`) next to the formula, category by category. The values trained are meaningless (every
+"gathered" shard is a copy of this rank's own); the allocations are exactly a real rank's.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import re
+import time
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from zerokit.models import GPTConfig
 
 from zerokit.core.memory import (
     OPTIMIZER_STATE_BYTES,
@@ -124,11 +137,125 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unit", choices=("auto",) + tuple(UNITS), default="auto",
                         help="unit of the table; auto picks a decimal unit (GB for the lecture's example)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the table, in bytes, as JSON")
+    parser.add_argument("--simulate", action="store_true",
+                        help="measure instead: this process builds --model and plays rank 0 of --world-size "
+                             "for one training step (needs --model and --stage)")
+    parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), metavar="S",
+                        help="with --simulate: the ZeRO stage to measure")
+    parser.add_argument("--seq-len", type=int, default=8, metavar="T",
+                        help="with --simulate: tokens in the one training sequence (default 8)")
+    parser.add_argument("--device", default=None,
+                        help="with --simulate: where the model lives (default cuda if available, else cpu)")
+
+
+def simulate_rank(model: "str | GPTConfig", world_size: int, stage: int, precision: str = "bf16", optimizer: str = "adam",
+                  rank: int = 0, seq_len: int = 8, device: str | None = None, bucket_numel: int | None = None,
+                  lora: bool = False) -> dict[str, Any]:
+    """Build `model` (a preset name or a GPTConfig), wrap it as `rank` of a simulated world of `world_size`, train one step, measure.
+
+    Returns `core.memory.ledger(...)` (measured and predicted bytes per category, relative errors,
+    configuration) plus "seconds" (wall time of the whole measurement) and "device". Activations
+    are measured around the forward and backward (saved tensors on CPU, the allocator on CUDA)
+    and predicted with `activation_bytes_estimate`.
+    """
+    import torch
+
+    import zerokit as zk
+    from zerokit.core.memory import ActivationMeter, ledger
+    from zerokit.models import Block, build_model, preset
+
+    cfg = preset(model) if isinstance(model, str) else model
+    if not 1 <= seq_len <= cfg.block_size:
+        raise ValueError(f"seq_len must be in [1, {cfg.block_size}] for model {model!r}, got {seq_len}")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    start = time.perf_counter()
+    net = build_model(cfg).to(device)
+    if lora:
+        zk.lora.inject(net, targets=("q", "v"), rank=8, alpha=1.0)
+    optimizer_cls, kwargs = optimizer_for(optimizer)
+    comm = zk.Comm(simulate=zk.Simulated(rank, world_size))
+    shard_kwargs = {} if bucket_numel is None else {"bucket_numel": bucket_numel}
+    engine = zk.shard(net, optimizer_cls, stage=stage, precision=precision, comm=comm, wrap=(Block,),
+                      **shard_kwargs, **kwargs)
+    gen = torch.Generator().manual_seed(rank)
+    x, y = (torch.randint(cfg.vocab_size, (1, seq_len), generator=gen).to(device) for _ in range(2))
+    with ActivationMeter(exclude=net) as meter:
+        _, loss = engine(x, y)
+        engine.backward(loss)
+    engine.step()
+    predicted_activations = activation_bytes_estimate(cfg, 1, precision, seq_len=seq_len)
+    out = ledger(engine, activation_bytes=meter.peak_bytes, predicted_activations=predicted_activations)
+    out["seconds"] = time.perf_counter() - start
+    out["device"] = str(device)
+    out["config"].update(model=model if isinstance(model, str) else repr(model), seq_len=seq_len, simulated=True)
+    return out
+
+
+def optimizer_for(name: str) -> tuple[type, dict]:
+    """(torch optimizer class, hyperparameters) for an `estimate` optimizer name; the state sizes are what matter."""
+    import torch
+
+    table = {"adam": (torch.optim.AdamW, {"lr": 1e-4}), "adamw": (torch.optim.AdamW, {"lr": 1e-4}),
+             "sgd_momentum": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}), "sgd": (torch.optim.SGD, {"lr": 1e-3})}
+    if name not in table:
+        raise ValueError(f"optimizer must be one of {tuple(table)}, got {name!r}")
+    return table[name]
+
+LEDGER_CATEGORIES = ("params", "grads", "master_params", "optimizer_states", "comm_buffers", "activations")
+
+
+def render_ledger(result: dict[str, Any], unit: str) -> list[str]:
+    """Measured beside predicted, one row per category, with the relative error."""
+    headers = ["category", f"measured {unit}", f"formula {unit}", "error"]
+    rows = []
+    for category in LEDGER_CATEGORIES:
+        m, p = result["measured"].get(category), result["predicted"].get(category)
+        err = result["relative_error"].get(category)
+        rows.append([category, "-" if m is None else format_in(m, unit), "-" if p is None else format_in(p, unit),
+                     "-" if err is None else f"{100 * err:+.3f}%"])
+    model_states = [result["measured"][c] for c in ("params", "grads", "master_params", "optimizer_states")]
+    predicted_states = [result["predicted"][c] for c in ("params", "grads", "master_params", "optimizer_states")]
+    total_m, total_p = sum(model_states), sum(predicted_states)
+    rows.append(["model states", format_in(total_m, unit), format_in(total_p, unit),
+                 f"{100 * (total_m - total_p) / total_p:+.3f}%" if total_p else "-"])
+    widths = [max(len(r[i]) for r in [headers] + rows) for i in range(len(headers))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return [fmt(headers), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows]
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    if args.model is None or args.stage is None:
+        raise SystemExit("zerokit memory --simulate needs --model NAME and --stage S")
+    try:
+        result = simulate_rank(args.model, args.world_size, args.stage, args.precision, args.optimizer,
+                               seq_len=args.seq_len, device=args.device)
+    except ValueError as err:
+        raise SystemExit(f"zerokit memory --simulate: {err}") from None
+    cfg = result["config"]
+    values = [v for v in result["measured"].values() if v] + [v for v in result["predicted"].values() if v]
+    unit = choose_unit(values) if args.unit == "auto" else args.unit
+    print(f"Measured on one process playing rank 0 of N = {args.world_size} (simulated): model {args.model}, "
+          f"Ψ = {cfg['num_params']:,}, stage {args.stage} ({STAGE_NAMES[args.stage]}), {args.precision} + "
+          f"{cfg['optimizer']}, device {result['device']}; one step on 1 x {args.seq_len} tokens; "
+          f"{unit} = {UNITS[unit]:,} bytes")
+    for line in render_ledger(result, unit):
+        print(line)
+    print(f"formula: {per_rank_formula(args.stage, args.precision, cfg['optimizer'])} per rank (model states); "
+          f"activations predicted by activation_bytes_estimate; {result['seconds']:.1f} s")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     if args.world_size < 1:
         raise SystemExit(f"zerokit memory: --world-size must be >= 1, got {args.world_size}")
+    if args.simulate:
+        return run_simulate(args)
+    if args.stage is not None:
+        raise SystemExit("zerokit memory: --stage is only used with --simulate (the table shows every stage)")
     cfg = None
     if args.model is not None:
         from zerokit import models  # lazy: torch is only needed when a preset is asked for
