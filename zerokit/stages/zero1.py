@@ -1,0 +1,187 @@
+"""Stage 1 (ZeRO-1): shard the optimizer states. Parameters and gradients stay whole.
+
+Every rank still holds the whole model and, through backward, the whole gradient, but
+for the update each flat buffer is cut into N shards and rank r updates only shard r:
+the optimizer states (Adam's two moments; under mixed precision also the fp32 master
+weights) exist only for that shard, 1/N of them per rank. An all-reduce is a
+reduce-scatter followed by an all-gather; stage 1 simply puts the optimizer step in
+between the two halves.
+
+What happens, per step (differences from stage 0 marked *):
+  * construction: rank 0's parameters (frozen ones too) and buffers are broadcast; the
+    parameters become views into flat buckets, their `.grad`s views into flat gradient
+    buckets; *each trainable bucket also gets a persistent grad_shard, and the optimizer
+    is built over this rank's param_shard views only;
+  * backward: gradients accumulate in the full flat gradient buckets;
+  * *end of backward: each bucket is scaled by 1/N and reduce-scattered: this rank's range
+    of the rank-average lands in its grad_shard; the full bucket is then zeroed, ready
+    to accumulate the next backward;
+  * step: *every rank updates its own shard, then all-gathers the updated shards back
+    into the full flat buffers in place, so the module's parameters see the new values.
+
+Collectives per step: one reduce-scatter of the gradients (B = Ψ·g bytes counted) and one
+all-gather of the params (B = Ψ·p bytes); with g = p that is 2B, exactly stage 0's
+all-reduce (ZeRO accounting, see core/comm.py). Gradient accumulation inside `no_sync()`
+communicates nothing, as at stage 0: the full buckets keep accumulating.
+
+Per-rank memory (Ψ parameters, N ranks, up to padding < N elements per bucket):
+  fp32 + Adam:       params 4Ψ + grads 4Ψ (+ 4Ψ/N grad shards) + optimizer_states 8Ψ/N
+  bf16/fp16 + Adam:  params 2Ψ + grads 2Ψ (+ 2Ψ/N) + master_params 4Ψ/N + optimizer_states 8Ψ/N
+                     = 4Ψ + 12Ψ/N (+ 2Ψ/N)
+
+`param.grad` after backward is not the averaged gradient here (that lives, sharded, in
+the grad shards); read gradients through `clip_grad_norm_` or the grad shards.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zerokit.core.bucketing import InFlight
+from zerokit.core.engine import Engine
+from zerokit.core.flat_param import FlatParam, broadcast_module_state, build_flat_params, check_module
+from zerokit.core.hooks import GradReadyTracker
+from zerokit.optim.sharded import ShardedOptimizer
+
+
+class Zero1Engine(Engine):
+    stage = 1
+
+    # 1. construct ------------------------------------------------------------------
+    def __init__(self, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *, comm, policy, scaler,
+                 bucket_numel: int, param_groups=None, **_unused):
+        super().__init__(module, comm, policy, scaler)
+        infos = check_module(module, comm, self.stage, param_groups)
+        broadcast_module_state(module, comm)
+        self.flat_params: list[FlatParam] = build_flat_params(infos, self.world_size, self.rank, bucket_numel)
+        self.flat_data: list[torch.Tensor] = []  # (padded_numel,) param dtype, one per bucket
+        self.flat_grads: list[torch.Tensor | None] = []  # (padded_numel,) full gradients, trainable buckets
+        self.grad_shards: list[torch.Tensor | None] = []  # (shard_numel,) this rank's averaged range
+        # False until a reduce-scatter has written the grad shard since zero_grad: the first
+        # one lands directly in it, later ones (repeated synced backwards) are added.
+        self.grad_shard_written: list[bool] = []
+        masters = []
+        for fp in self.flat_params:
+            fp32 = fp.new_flat(torch.float32 if fp.dtype.is_floating_point else fp.dtype)
+            fp.copy_params_into(fp32)
+            dtype = policy.param_dtype  # bf16/fp16 params (frozen ones too) under mixed precision
+            data = fp32.to(dtype) if fp32.dtype != dtype else fp32
+            fp.dtype = dtype
+            fp.use_as_param_storage(data)
+            self.flat_data.append(data)
+            masters.append(fp32)
+            grad = fp.new_flat() if fp.requires_grad else None
+            fp.use_as_grad_storage(grad)
+            self.flat_grads.append(grad)
+            self.grad_shards.append(fp.new_flat(numel=fp.shard_numel) if fp.requires_grad else None)
+            self.grad_shard_written.append(False)
+        trainable = [fp for fp in self.flat_params if fp.requires_grad]
+        self.optimizer = ShardedOptimizer(
+            optimizer_cls, optimizer_kwargs,
+            param_shards=[fp.shard_of(self.flat_data[fp.index]) for fp in trainable],  # views: updated in place
+            grad_shards=[self.grad_shards[fp.index] for fp in trainable],
+            options=[fp.options for fp in trainable], policy=policy, comm=comm, scaler=scaler)
+        if policy.needs_master:  # masters start from the fp32 values, not their rounded copies
+            for m, fp in zip(self.optimizer.master_shards, trainable):
+                m.copy_(fp.shard_of(masters[fp.index]))
+        del masters
+        self.in_flight = InFlight()
+        self.tracker = GradReadyTracker(self.flat_params, self._on_bucket_ready, self._on_backward_end)
+
+    # 2. gradient hook ---------------------------------------------------------------
+    def _on_bucket_ready(self, fp: FlatParam) -> None:
+        """A bucket's gradients are all accumulated. Stage 1 keeps the full gradient until backward ends."""
+
+    # 3. finish backward ---------------------------------------------------------------
+    def _on_backward_end(self) -> None:
+        if self.sync_gradients:  # no_sync: gradients keep accumulating in the full buckets
+            for fp in self.flat_params:  # bucket order: the same collective sequence on every rank
+                if fp.requires_grad:
+                    self.reduce_scatter_grad(fp)
+        self.in_flight.wait_all()
+
+    def finish_backward(self) -> None:
+        self.tracker.finish_if_pending()
+        self.in_flight.wait_all()
+
+    def reduce_scatter_grad(self, fp: FlatParam) -> None:
+        """Launch: this rank's range of the bucket's rank-averaged gradient goes into its grad shard."""
+        grad = self.flat_grads[fp.index]  # (padded_numel,)
+        grad_shard = self.grad_shards[fp.index]  # (shard_numel,)
+        grad.mul_(1.0 / self.world_size)  # pre-divide exactly as stage 0 does, so the sums agree bit for bit
+        if not self.grad_shard_written[fp.index]:
+            out, add_into_shard = grad_shard, False
+        else:  # a later backward since zero_grad: accumulate, as torch's .grad does
+            out, add_into_shard = torch.empty_like(grad_shard), True
+        self.grad_shard_written[fp.index] = True
+
+        def on_done() -> None:
+            if add_into_shard:
+                grad_shard.add_(out)
+            grad.zero_()  # its content now lives (summed) in the owners' grad shards
+
+        self.in_flight.push(self.comm.reduce_scatter(out, grad, async_op=True, phase="backward"), on_done)
+
+    # 4. step ---------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Update this rank's shard of every buffer, then all-gather. False if fp16 skipped it."""
+        self.finish_backward()
+        stepped = self.optimizer.step()
+        if stepped:  # a skipped step changed no shard: the full buffers are still current
+            self.all_gather_params()
+        return stepped
+
+    def all_gather_params(self) -> None:
+        """Bring every rank's updated param shard back into the full flat buffers, in place."""
+        if self.world_size == 1:
+            return  # the shard is the whole buffer and was updated in place
+        # The all-gather's input must not alias its output, and this rank's param shard is a
+        # view into the output. The cheapest distinct input is a clone of that shard in the
+        # param dtype (reads and writes shard_numel * p bytes); re-casting the fp32 master
+        # under mixed precision would read twice as many bytes for the same result. The
+        # clones live until every gather completes: Ψ·p/N transient bytes.
+        inputs = []
+        for fp in self.flat_params:
+            if fp.requires_grad:
+                flat = self.flat_data[fp.index]  # (padded_numel,)
+                param_shard = fp.shard_of(flat).clone()  # (shard_numel,)
+                inputs.append(param_shard)
+                self.in_flight.push(self.comm.all_gather(flat, param_shard, async_op=True, phase="step"))
+        self.in_flight.wait_all()
+
+    # 5. zero_grad ------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for fp in self.flat_params:
+            if fp.requires_grad:
+                self.flat_grads[fp.index].zero_()  # what no_sync accumulated and never sent
+                self.grad_shards[fp.index].zero_()
+                self.grad_shard_written[fp.index] = False
+
+    # 6. state_dict ----------------------------------------------------------------------
+    def state_dict(self, full: bool = True) -> dict[str, torch.Tensor]:
+        """The unwrapped model's state_dict (same keys), fp32 master values where they exist.
+
+        Params are whole at stage 1, so `full` changes nothing. Under mixed precision the
+        fp32 masters are sharded: they are all-gathered, so every rank must call this.
+        """
+        sd = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        if self.policy.needs_master:
+            trainable = [fp for fp in self.flat_params if fp.requires_grad]
+            for fp, master_shard in zip(trainable, self.optimizer.master_shards):
+                master = fp.new_flat(torch.float32)  # (padded_numel,) fp32, transient
+                self.comm.all_gather(master, master_shard, phase="state_dict")
+                for names, view in zip(fp.names, fp.views(master)):
+                    for name in names:
+                        sd[name] = view.detach().clone()
+        return sd
+
+    def norm_shards(self) -> list[torch.Tensor]:
+        return [self.grad_shards[fp.index] for fp in self.flat_params if fp.requires_grad]
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {
+            "params": self.flat_data,
+            "grads": [g for g in self.flat_grads if g is not None] + [g for g in self.grad_shards if g is not None],
+            "master_params": self.optimizer.master_tensors(),
+            "optimizer_states": self.optimizer.state_tensors(),
+        }

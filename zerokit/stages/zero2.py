@@ -1,0 +1,232 @@
+"""Stage 2 (ZeRO-2): shard the gradients too. Parameters stay whole.
+
+Stage 1 keeps every full gradient until backward ends, although after its reduce-scatter
+a rank needs only its own range. Stage 2 reduce-scatters each bucket from the gradient
+hook the moment that bucket is complete, during backward, and releases the bucket's
+full-size gradient storage as soon as that reduce-scatter has completed: only the
+grad shards persist. A bucket's storage is allocated again lazily, just before autograd
+accumulates its first gradient of the next backward (a gradient pre-hook, see
+core/hooks.py).
+
+What happens, per step (differences from stage 1 marked *):
+  * construction: as stage 1 (broadcast, flat buckets, persistent grad shards, an
+    optimizer over this rank's param_shard views), *but no full gradient buckets;
+  * *backward: just before a bucket's first gradient arrives, a zeroed (padded_numel,)
+    buffer is allocated and the params' `.grad`s become views into it; when the bucket is
+    complete it is scaled by 1/N and reduce-scattered asynchronously into this rank's
+    grad shard; when that completes the full buffer is dropped (`param.grad` is None);
+    at most `max_in_flight` (default 2) reduce-scatters are left running: the hook waits
+    for the oldest ones (a CPU wait) before backward goes on;
+  * end of backward: wait for every bucket;
+  * step: every rank updates its own shard, then all-gathers the shards back into the full
+    flat parameter buffers, in place.
+
+Full-size gradient memory alive at once. Whenever a bucket's storage is allocated, at
+most `max_in_flight` reduce-scatters are still running (the hook waited for the older
+ones), so the buckets alive are those plus the ones autograd is filling. Gradients that
+arrive in reverse registration order, as they do for a sequential model (buckets are
+cut in that order, see core/bucketing.py), fill one bucket at a time, except that a
+module whose params straddle a bucket boundary may start the next bucket before the
+current one completes. The bound is therefore
+    (max_in_flight + 2) buckets' worth = (max_in_flight + 2) * bucket_numel * g bytes
+((max_in_flight + 1) when bucket boundaries fall between modules; a parameter larger
+than `bucket_numel` is a bucket of its own), independent of Ψ, plus whatever the
+autograd engine holds (the freshly computed gradient of the parameter being
+accumulated). A model that uses its parameters far out of registration order keeps more
+buckets waiting, since buckets are released strictly in bucket order (core/hooks.py).
+
+Collectives per step: one reduce-scatter of the gradients (B = Ψ·g bytes) and one
+all-gather of the params (B = Ψ·p bytes): 2B, the same as stage 0's all-reduce.
+
+Gradient accumulation (`no_sync()`), chosen by `accumulate=`:
+  * "reduce_scatter" (default, low memory): every micro-step reduce-scatters anyway and
+    adds its shard into the accumulating grad shard, so full-size gradient memory stays
+    at the bound above; M micro-steps cost M reduce-scatters (M·B) + one all-gather (B).
+    The sum is the same mathematically but not bitwise equal to stage 0's, which sums the
+    micro-steps locally first: each element is rounded in a different order (a few ulps).
+  * "local": inside no_sync the full buckets are kept and accumulate locally (no
+    communication, Ψ·g full-size bytes alive across micro-steps, as at stages 0 and 1);
+    the last micro-step reduce-scatters the sum and frees them: B + B per step, bitwise
+    equal to stage 0.
+
+Per-rank memory after backward (Ψ parameters, N ranks, up to padding < N per bucket):
+  fp32 + Adam:       params 4Ψ + grads 4Ψ/N + optimizer_states 8Ψ/N
+  bf16/fp16 + Adam:  params 2Ψ + grads 2Ψ/N + master_params 4Ψ/N + optimizer_states 8Ψ/N = 2Ψ + 14Ψ/N
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zerokit.core.bucketing import InFlight
+from zerokit.core.engine import Engine
+from zerokit.core.flat_param import FlatParam, broadcast_module_state, build_flat_params, check_module
+from zerokit.core.hooks import GradReadyTracker
+from zerokit.optim.sharded import ShardedOptimizer
+
+ACCUMULATE_POLICIES = ("reduce_scatter", "local")
+
+
+class Zero2Engine(Engine):
+    stage = 2
+
+    # 1. construct ------------------------------------------------------------------
+    def __init__(self, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *, comm, policy, scaler,
+                 bucket_numel: int, param_groups=None, accumulate: str = "reduce_scatter", max_in_flight: int = 2,
+                 **_unused):
+        if accumulate not in ACCUMULATE_POLICIES:
+            raise ValueError(f"accumulate must be one of {ACCUMULATE_POLICIES}, got {accumulate!r} (rank {comm.rank})")
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 0:
+            raise ValueError(f"max_in_flight must be an int >= 0, got {max_in_flight!r} (rank {comm.rank})")
+        super().__init__(module, comm, policy, scaler)
+        self.accumulate = accumulate
+        self.max_in_flight = max_in_flight
+        infos = check_module(module, comm, self.stage, param_groups)
+        broadcast_module_state(module, comm)
+        self.flat_params: list[FlatParam] = build_flat_params(infos, self.world_size, self.rank, bucket_numel)
+        self.flat_data: list[torch.Tensor] = []  # (padded_numel,) param dtype, one per bucket
+        # (padded_numel,) full gradients: None except while a bucket is being accumulated or
+        # reduce-scattered (or kept across no_sync micro-steps under accumulate="local").
+        self.flat_grads: list[torch.Tensor | None] = []
+        self.grad_shards: list[torch.Tensor | None] = []  # (shard_numel,) this rank's averaged range
+        # False until a reduce-scatter has written the grad shard since zero_grad: the first
+        # one lands directly in it, later ones (micro-steps, repeated backwards) are added.
+        self.grad_shard_written: list[bool] = []
+        masters = []
+        for fp in self.flat_params:
+            fp32 = fp.new_flat(torch.float32 if fp.dtype.is_floating_point else fp.dtype)
+            fp.copy_params_into(fp32)
+            dtype = policy.param_dtype  # bf16/fp16 params (frozen ones too) under mixed precision
+            data = fp32.to(dtype) if fp32.dtype != dtype else fp32
+            fp.dtype = dtype
+            fp.use_as_param_storage(data)
+            self.flat_data.append(data)
+            masters.append(fp32)
+            fp.use_as_grad_storage(None)  # allocated lazily by _on_first_grad
+            self.flat_grads.append(None)
+            self.grad_shards.append(fp.new_flat(numel=fp.shard_numel) if fp.requires_grad else None)
+            self.grad_shard_written.append(False)
+        trainable = [fp for fp in self.flat_params if fp.requires_grad]
+        self.optimizer = ShardedOptimizer(
+            optimizer_cls, optimizer_kwargs,
+            param_shards=[fp.shard_of(self.flat_data[fp.index]) for fp in trainable],  # views: updated in place
+            grad_shards=[self.grad_shards[fp.index] for fp in trainable],
+            options=[fp.options for fp in trainable], policy=policy, comm=comm, scaler=scaler)
+        if policy.needs_master:  # masters start from the fp32 values, not their rounded copies
+            for m, fp in zip(self.optimizer.master_shards, trainable):
+                m.copy_(fp.shard_of(masters[fp.index]))
+        del masters
+        self.in_flight = InFlight()
+        self.tracker = GradReadyTracker(self.flat_params, self._on_bucket_ready, self._on_backward_end,
+                                        on_first_grad=self._on_first_grad)
+
+    # 2. gradient hook ---------------------------------------------------------------
+    def _on_first_grad(self, fp: FlatParam) -> None:
+        """Autograd is about to accumulate this bucket's first gradient: give the bucket full-size storage."""
+        if self.flat_grads[fp.index] is None:  # else kept from a no_sync micro-step ("local")
+            grad = fp.new_flat()  # (padded_numel,) zeros; autograd accumulates into the params' views
+            fp.use_as_grad_storage(grad)
+            self.flat_grads[fp.index] = grad
+
+    def _on_bucket_ready(self, fp: FlatParam) -> None:
+        """A bucket's gradients are all accumulated: reduce-scatter now, free the full buffer when done."""
+        if not self.sync_gradients and self.accumulate == "local":
+            return  # keep accumulating the full gradient; the last micro-step reduce-scatters it
+        self.reduce_scatter_grad(fp)
+        # The CPU waits here for the oldest buckets, which bounds the full-size gradient
+        # memory alive at once (module docstring) at the price of less overlap.
+        self.in_flight.wait_until(self.max_in_flight)
+
+    # 3. finish backward ---------------------------------------------------------------
+    def _on_backward_end(self) -> None:
+        self.in_flight.wait_all()
+
+    def finish_backward(self) -> None:
+        self.tracker.finish_if_pending()
+        self.in_flight.wait_all()
+
+    def reduce_scatter_grad(self, fp: FlatParam) -> None:
+        """Launch: this rank's range of the bucket's rank-averaged gradient goes into its grad shard."""
+        grad = self.flat_grads[fp.index]  # (padded_numel,)
+        grad_shard = self.grad_shards[fp.index]  # (shard_numel,)
+        grad.mul_(1.0 / self.world_size)  # pre-divide exactly as stage 0 does, so the sums agree bit for bit
+        if not self.grad_shard_written[fp.index]:
+            out, add_into_shard = grad_shard, False
+        else:  # a later backward since zero_grad: accumulate, as torch's .grad does
+            out, add_into_shard = torch.empty_like(grad_shard), True
+        self.grad_shard_written[fp.index] = True
+
+        def on_done() -> None:
+            if add_into_shard:
+                grad_shard.add_(out)
+            # The owners have this bucket's content now: release the full-size storage.
+            fp.use_as_grad_storage(None)
+            self.flat_grads[fp.index] = None
+
+        self.in_flight.push(self.comm.reduce_scatter(out, grad, async_op=True, phase="backward"), on_done)
+
+    # 4. step ---------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Update this rank's shard of every buffer, then all-gather. False if fp16 skipped it."""
+        self.finish_backward()
+        stepped = self.optimizer.step()
+        if stepped:  # a skipped step changed no shard: the full buffers are still current
+            self.all_gather_params()
+        return stepped
+
+    def all_gather_params(self) -> None:
+        """Bring every rank's updated param shard back into the full flat buffers, in place."""
+        if self.world_size == 1:
+            return  # the shard is the whole buffer and was updated in place
+        # The all-gather's input must not alias its output, and this rank's param shard is a
+        # view into the output. The cheapest distinct input is a clone of that shard in the
+        # param dtype (reads and writes shard_numel * p bytes); re-casting the fp32 master
+        # under mixed precision would read twice as many bytes for the same result. The
+        # clones live until every gather completes: Ψ·p/N transient bytes.
+        inputs = []
+        for fp in self.flat_params:
+            if fp.requires_grad:
+                flat = self.flat_data[fp.index]  # (padded_numel,)
+                param_shard = fp.shard_of(flat).clone()  # (shard_numel,)
+                inputs.append(param_shard)
+                self.in_flight.push(self.comm.all_gather(flat, param_shard, async_op=True, phase="step"))
+        self.in_flight.wait_all()
+
+    # 5. zero_grad ------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for fp in self.flat_params:
+            if fp.requires_grad:
+                if self.flat_grads[fp.index] is not None:  # kept by no_sync ("local") and never sent
+                    fp.use_as_grad_storage(None)
+                    self.flat_grads[fp.index] = None
+                self.grad_shards[fp.index].zero_()
+                self.grad_shard_written[fp.index] = False
+
+    # 6. state_dict ----------------------------------------------------------------------
+    def state_dict(self, full: bool = True) -> dict[str, torch.Tensor]:
+        """The unwrapped model's state_dict (same keys), fp32 master values where they exist.
+
+        Params are whole at stage 2, so `full` changes nothing. Under mixed precision the
+        fp32 masters are sharded: they are all-gathered, so every rank must call this.
+        """
+        sd = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        if self.policy.needs_master:
+            trainable = [fp for fp in self.flat_params if fp.requires_grad]
+            for fp, master_shard in zip(trainable, self.optimizer.master_shards):
+                master = fp.new_flat(torch.float32)  # (padded_numel,) fp32, transient
+                self.comm.all_gather(master, master_shard, phase="state_dict")
+                for names, view in zip(fp.names, fp.views(master)):
+                    for name in names:
+                        sd[name] = view.detach().clone()
+        return sd
+
+    def norm_shards(self) -> list[torch.Tensor]:
+        return [self.grad_shards[fp.index] for fp in self.flat_params if fp.requires_grad]
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {
+            "params": self.flat_data,
+            "grads": [g for g in self.flat_grads if g is not None] + [g for g in self.grad_shards if g is not None],
+            "master_params": self.optimizer.master_tensors(),
+            "optimizer_states": self.optimizer.state_tensors(),
+        }
