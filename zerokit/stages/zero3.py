@@ -80,7 +80,7 @@ import collections
 import contextlib
 import enum
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -149,6 +149,8 @@ class _InputsGradDone(torch.autograd.Function):
 
 
 class Zero3Engine(Engine):
+    """ZeRO stage 3 / FSDP over `wrap` units; built by `zk.shard(..., stage=3)`. See the module docstring."""
+
     stage = 3
 
     # 1. construct ------------------------------------------------------------------
@@ -424,6 +426,10 @@ class Zero3Engine(Engine):
 
     def _make_grad_ready_hook(self, unit: Unit):
         def grad_ready_hook(param: torch.Tensor) -> None:
+            if unit.pending_grads == 0:
+                raise RuntimeError(
+                    f"gradient hook fired twice in one backward in unit {unit.name or '<root>'!r}: use "
+                    "torch.utils.checkpoint with use_reentrant=False, and engine.no_sync() for accumulation")
             unit.pending_grads -= 1
             if unit.pending_grads == 0:
                 self._reduce_scatter_grads(unit)
@@ -549,7 +555,7 @@ class Zero3Engine(Engine):
         return out
 
     @contextlib.contextmanager
-    def summon_full_params(self, writeback: bool = True):
+    def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
         """Every parameter whole, outside forward (evaluation, initialisation, inspection). A collective.
 
         Changes made inside the block are written back into this rank's shards on exit (and
