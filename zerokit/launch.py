@@ -32,6 +32,8 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s:
             fn: Callable, args: tuple, results) -> None:
     try:
         torch.set_num_threads(threads)  # N ranks share the machine's cores
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per rank, chosen before the group exists
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
         try:

@@ -160,7 +160,10 @@ class Comm:
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
                        phase: str | None = None) -> Handle:
-        """Sum `input` (padded_numel,) over ranks; this rank's range lands in `output` (padded_numel // N,)."""
+        """Sum `input` (padded_numel,) over ranks; this rank's range lands in `output` (padded_numel // N,).
+
+        `output` may be this rank's own range of `input` (an in-place reduce-scatter).
+        """
         assert input.numel() == output.numel() * self.world_size, (input.numel(), output.numel(), self.world_size)
         self._count("reduce_scatter", _nbytes(input), input.numel(), phase)
         if not self.distributed:
@@ -168,8 +171,15 @@ class Comm:
             output.copy_(input[start:start + output.numel()])
             return _DONE
         with record_function("zerokit::reduce_scatter"):
-            if self.ordered:
+            if self.ordered:  # safe in place: the input is fully received before the sum is written
                 return self._ordered_reduce_scatter(output, input, async_op)
+            if _shares_storage(output, input):  # in place (output is my range of input): go via a temporary
+                result = torch.empty_like(output)
+                work = dist.reduce_scatter_single(result, input, group=self.group, async_op=async_op)
+                handle = Handle(work if async_op else None, lambda: output.copy_(result))
+                if not async_op:
+                    handle.wait()
+                return handle
             work = dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op)
             return Handle(work) if async_op else _DONE
 
@@ -270,6 +280,10 @@ class Comm:
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX} if dist.is_available() else {}
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _nbytes(t: torch.Tensor) -> int:

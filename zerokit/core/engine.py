@@ -62,15 +62,17 @@ class Engine:
         capped at 1.
         """
         self.finish_backward()
-        partial = torch.zeros((), dtype=torch.float32)
-        for g in self.norm_shards():
+        shards = self.norm_shards()
+        device = shards[0].device if shards else torch.device("cpu")
+        partial = torch.zeros((), dtype=torch.float32, device=device)
+        for g in shards:  # one dot per flat buffer, never a loop over module parameters
             g32 = g.float()
             partial += torch.dot(g32, g32)
         total_sq = self.comm.all_reduce_scalars(partial.reshape(1))[0]
         norm = total_sq.sqrt()
         if self.scaler is not None:
             norm = norm / self.scaler.scale
-        coef = torch.clamp(torch.tensor(float(max_norm), dtype=torch.float32) / (norm + 1e-6), max=1.0)
+        coef = torch.clamp(torch.tensor(float(max_norm), dtype=torch.float32, device=device) / (norm + 1e-6), max=1.0)
         self.optimizer.grad_multiplier = coef
         return norm
 

@@ -10,12 +10,12 @@ between the two halves.
 What happens, per step (differences from stage 0 marked *):
   * construction: rank 0's parameters (frozen ones too) and buffers are broadcast; the
     parameters become views into flat buckets, their `.grad`s views into flat gradient
-    buckets; *each trainable bucket also gets a persistent grad_shard, and the optimizer
-    is built over this rank's param_shard views only;
+    buckets; *the optimizer is built over this rank's param_shard views only, and its
+    grad_shard is a view of this rank's own range of the full gradient bucket;
   * backward: gradients accumulate in the full flat gradient buckets;
-  * *end of backward: each bucket is scaled by 1/N and reduce-scattered: this rank's range
-    of the rank-average lands in its grad_shard; the full bucket is then zeroed, ready
-    to accumulate the next backward;
+  * *end of backward: each bucket is scaled by 1/N and reduce-scattered in place: the
+    rank-average of this rank's range overwrites that range (the grad_shard); the other
+    ranges keep this rank's local contribution, unused until zero_grad;
   * step: *every rank updates its own shard, then all-gathers the updated shards back
     into the full flat buffers in place, so the module's parameters see the new values.
 
@@ -25,12 +25,15 @@ all-reduce (ZeRO accounting, see core/comm.py). Gradient accumulation inside `no
 communicates nothing, as at stage 0: the full buckets keep accumulating.
 
 Per-rank memory (Ψ parameters, N ranks, up to padding < N elements per bucket):
-  fp32 + Adam:       params 4Ψ + grads 4Ψ (+ 4Ψ/N grad shards) + optimizer_states 8Ψ/N
-  bf16/fp16 + Adam:  params 2Ψ + grads 2Ψ (+ 2Ψ/N) + master_params 4Ψ/N + optimizer_states 8Ψ/N
-                     = 4Ψ + 12Ψ/N (+ 2Ψ/N)
+  fp32 + Adam:       params 4Ψ + grads 4Ψ + optimizer_states 8Ψ/N
+  bf16/fp16 + Adam:  params 2Ψ + grads 2Ψ + master_params 4Ψ/N + optimizer_states 8Ψ/N = 4Ψ + 12Ψ/N
+(plus, transiently, the reduce-scatter's receive buffer and the all-gather's input clone).
 
-`param.grad` after backward is not the averaged gradient here (that lives, sharded, in
-the grad shards); read gradients through `clip_grad_norm_` or the grad shards.
+`param.grad` after backward is not the averaged gradient here (only this rank's range is,
+in the grad shard); read gradients through `clip_grad_norm_` or the grad shards. Because
+the grad shard lives inside the gradient bucket, a second synced backward without
+zero_grad() would mix averaged and local values: stage 1 refuses it with a clear error
+(accumulate inside `no_sync()`, which communicates nothing, as at stage 0).
 """
 from __future__ import annotations
 
@@ -56,9 +59,8 @@ class Zero1Engine(Engine):
         self.flat_params: list[FlatParam] = build_flat_params(infos, self.world_size, self.rank, bucket_numel)
         self.flat_data: list[torch.Tensor] = []  # (padded_numel,) param dtype, one per bucket
         self.flat_grads: list[torch.Tensor | None] = []  # (padded_numel,) full gradients, trainable buckets
-        self.grad_shards: list[torch.Tensor | None] = []  # (shard_numel,) this rank's averaged range
-        # False until a reduce-scatter has written the grad shard since zero_grad: the first
-        # one lands directly in it, later ones (repeated synced backwards) are added.
+        self.grad_shards: list[torch.Tensor | None] = []  # (shard_numel,) views: this rank's averaged range
+        # True once a reduce-scatter has overwritten the grad shard since zero_grad.
         self.grad_shard_written: list[bool] = []
         masters = []
         for fp in self.flat_params:
@@ -73,7 +75,7 @@ class Zero1Engine(Engine):
             grad = fp.new_flat() if fp.requires_grad else None
             fp.use_as_grad_storage(grad)
             self.flat_grads.append(grad)
-            self.grad_shards.append(fp.new_flat(numel=fp.shard_numel) if fp.requires_grad else None)
+            self.grad_shards.append(fp.shard_of(grad) if fp.requires_grad else None)
             self.grad_shard_written.append(False)
         trainable = [fp for fp in self.flat_params if fp.requires_grad]
         self.optimizer = ShardedOptimizer(
@@ -105,22 +107,18 @@ class Zero1Engine(Engine):
         self.in_flight.wait_all()
 
     def reduce_scatter_grad(self, fp: FlatParam) -> None:
-        """Launch: this rank's range of the bucket's rank-averaged gradient goes into its grad shard."""
-        grad = self.flat_grads[fp.index]  # (padded_numel,)
-        grad_shard = self.grad_shards[fp.index]  # (shard_numel,)
-        grad.mul_(1.0 / self.world_size)  # pre-divide exactly as stage 0 does, so the sums agree bit for bit
-        if not self.grad_shard_written[fp.index]:
-            out, add_into_shard = grad_shard, False
-        else:  # a later backward since zero_grad: accumulate, as torch's .grad does
-            out, add_into_shard = torch.empty_like(grad_shard), True
+        """Launch: the rank-average of this rank's range overwrites that range (the grad shard)."""
+        if self.grad_shard_written[fp.index]:
+            raise RuntimeError(
+                f"stage 1 (rank {self.rank}): a second synced backward since zero_grad() for the bucket holding "
+                f"{fp.names[0][0]!r}; accumulate gradients inside engine.no_sync() and let only the last "
+                "micro-step synchronise, or call zero_grad() between steps")
         self.grad_shard_written[fp.index] = True
-
-        def on_done() -> None:
-            if add_into_shard:
-                grad_shard.add_(out)
-            grad.zero_()  # its content now lives (summed) in the owners' grad shards
-
-        self.in_flight.push(self.comm.reduce_scatter(out, grad, async_op=True, phase="backward"), on_done)
+        grad = self.flat_grads[fp.index]  # (padded_numel,)
+        grad.mul_(1.0 / self.world_size)  # pre-divide exactly as stage 0 does, so the sums agree bit for bit
+        # In place: the output is this rank's range of the input (comm handles the aliasing).
+        self.in_flight.push(self.comm.reduce_scatter(self.grad_shards[fp.index], grad, async_op=True,
+                                                     phase="backward"))
 
     # 4. step ---------------------------------------------------------------------------
     def step(self) -> bool:
@@ -153,8 +151,7 @@ class Zero1Engine(Engine):
     def zero_grad(self) -> None:
         for fp in self.flat_params:
             if fp.requires_grad:
-                self.flat_grads[fp.index].zero_()  # what no_sync accumulated and never sent
-                self.grad_shards[fp.index].zero_()
+                self.flat_grads[fp.index].zero_()  # the grad shard is a view: zeroed with it
                 self.grad_shard_written[fp.index] = False
 
     # 6. state_dict ----------------------------------------------------------------------
@@ -181,7 +178,7 @@ class Zero1Engine(Engine):
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {
             "params": self.flat_data,
-            "grads": [g for g in self.flat_grads if g is not None] + [g for g in self.grad_shards if g is not None],
+            "grads": [g for g in self.flat_grads if g is not None],  # grad shards are views into these
             "master_params": self.optimizer.master_tensors(),
             "optimizer_states": self.optimizer.state_tensors(),
         }
