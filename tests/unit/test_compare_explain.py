@@ -91,9 +91,9 @@ def test_compare_runs_two_steps_and_writes_json_and_png(tmp_path, capsys):
             assert set(rank_ledger["measured"]) >= {"params", "grads", "master_params", "optimizer_states",
                                                     "activations"}
             assert _finite({k: v for k, v in rank_ledger["relative_error"].items() if v is not None})
-        # fp32 on 2 ranks: every stage trains like torch DDP (bitwise for stage 0; 1e-5 leaves room
-        # for the last-bit differences of clipping's norm, computed in a different order)
-        assert run["max_abs_loss_diff_vs_torch_ddp"] <= 1e-5, run["name"]
+        # fp32 on 2 ranks without clipping: every stage trains like torch DDP bit for bit (the
+        # rank-average of two gradients is a + b in either order; DESIGN.md's correctness bar)
+        assert run["max_abs_loss_diff_vs_torch_ddp"] == 0.0, run["name"]
         assert run["comm_bytes_per_step"][0] > 0 and run["step_ms_median"] > 0
     image = matplotlib.image.imread(out / "compare.png")
     assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 600

@@ -98,10 +98,7 @@ def test_simulated_rank_of_64_matches_formula(stage, precision):
     """One process playing rank 0 of 64 allocates what zk.estimate predicts, within 1% per category."""
     result = simulate_rank(MID, 64, stage, precision)
     assert result["config"]["world_size"] == 64 and result["device"] == "cpu"
-    # Stage 1's persistent grad shard is an extra Ψg/N beyond the formula (see
-    # tests/distributed/test_ledger.py::test_stage1_grads_equal_estimate); it is checked there.
-    categories = ("params", "master_params", "optimizer_states") + (("grads",) if stage != 1 else ())
-    for c in categories:
+    for c in ("params", "grads", "master_params", "optimizer_states"):
         measured, predicted = result["measured"][c], result["predicted"][c]
         assert abs(measured - predicted) <= WITHIN * predicted, (c, measured, predicted)
     if stage == 3:  # the point of ZeRO-3: a rank holds 1/64 of every model state
