@@ -3,6 +3,9 @@
 The same loop body runs for every stage; only `stage=` changes. Not under torchrun it
 spawns `--nproc` gloo ranks on this machine itself; under
 `torchrun --standalone --nproc-per-node 2 -m zerokit train` it joins torchrun's group.
+`--save DIR` writes a sharded checkpoint after the last step (with the step count in its
+meta.json); `--resume DIR` loads one, at any stage, world size or precision, and continues
+from that step, so the data batches pick up where the saved run stopped.
 """
 from __future__ import annotations
 
@@ -30,6 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--save", metavar="DIR", default=None,
+                   help="write a sharded checkpoint (engine.save) into DIR after the last step")
+    p.add_argument("--resume", metavar="DIR", default=None,
+                   help="load a checkpoint (any stage / world size / precision) and continue from its step "
+                        "up to --steps in total")
 
 
 def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
@@ -49,15 +57,26 @@ def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
     engine = zk.shard(model, torch.optim.AdamW, stage=cfg["stage"], precision=cfg["precision"], lr=cfg["lr"],
                       weight_decay=cfg["weight_decay"], bucket_numel=cfg["bucket_numel"], wrap=(Block,),
                       prefetch=cfg["prefetch"], param_groups=no_decay)
+    first_step = 0
+    if cfg.get("resume"):
+        meta = engine.load(cfg["resume"])  # raises on every rank for a missing file or another model
+        if "step" not in meta["extra"]:
+            raise ValueError(f"{cfg['resume']}: its meta.json holds no training step; it was not written by "
+                             "`zerokit train --save`")
+        first_step = int(meta["extra"]["step"])  # batches continue where the saved run stopped
+        if first_step >= cfg["steps"]:
+            raise ValueError(f"--steps {cfg['steps']} is the total step count, and {cfg['resume']} is already at "
+                             f"step {first_step}: pass a larger --steps")
     block = model.cfg.block_size
     bar = None
     if rank == 0 and not cfg["no_progress"]:
         from tqdm import tqdm
-        bar = tqdm(total=cfg["steps"], desc=f"stage {cfg['stage']} x{world_size} {cfg['precision']}", unit="step")
+        bar = tqdm(total=cfg["steps"], initial=first_step, unit="step",
+                   desc=f"stage {cfg['stage']} x{world_size} {cfg['precision']}")
     losses, skipped = [], 0
     tokens_per_step = cfg["batch_size"] * block * cfg["accumulate"] * world_size
     start = time.perf_counter()
-    for step in range(cfg["steps"]):
+    for step in range(first_step, cfg["steps"]):
         engine.zero_grad()
         for micro in range(cfg["accumulate"]):
             x, y = corpus.batch(cfg["batch_size"], block, step * cfg["accumulate"] + micro, rank, world_size)
@@ -75,14 +94,17 @@ def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
         losses.append(float(loss.detach()))  # a sync point, once per step: fine for a demo
         if bar is not None:
             elapsed = time.perf_counter() - start
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step * (step + 1) / elapsed:,.0f}")
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step * len(losses) / elapsed:,.0f}")
             bar.update(1)
     elapsed = time.perf_counter() - start
     if bar is not None:
         bar.close()
+    if cfg.get("save"):  # a collective: every rank writes its own range
+        engine.save(cfg["save"], extra={"step": cfg["steps"], "model": cfg["model"], "lora": cfg["lora"],
+                                        "seed": cfg["seed"]})
     return {
-        "rank": rank, "losses": losses, "skipped_steps": skipped, "memory": engine.memory(),
-        "tokens_per_s": tokens_per_step * cfg["steps"] / elapsed, "seconds": elapsed,
+        "rank": rank, "first_step": first_step, "losses": losses, "skipped_steps": skipped, "memory": engine.memory(),
+        "tokens_per_s": tokens_per_step * len(losses) / elapsed, "seconds": elapsed,
         "comm_bytes": engine.comm_stats(), "loss_scale": engine.loss_scale,
         "num_params": sum(p.numel() for p in model.parameters()),
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -111,6 +133,10 @@ def report(summaries: list[dict], cfg: dict) -> None:
           + (f"  (skipped steps: {first['skipped_steps']}, loss scale {first['loss_scale']:g})"
              if cfg["precision"] == "fp16" else ""))
     print(f"throughput: {first['tokens_per_s']:,.0f} tokens/s over {first['seconds']:.1f} s")
+    if cfg.get("resume"):
+        print(f"resumed from {cfg['resume']} at step {first['first_step']}")
+    if cfg.get("save"):
+        print(f"checkpoint written to {cfg['save']} (step {cfg['steps']})")
     categories = list(first["memory"])
     print("per-rank memory (bytes): " + "  ".join(f"{c:>16}" for c in categories))
     for s in summaries:

@@ -4,11 +4,15 @@ Calling the wrapped model, scaling the loss for fp16, the `no_sync` switch, glob
 gradient-norm clipping over shards, and the ledgers (`comm_stats`, `memory`). Each stage
 file subclasses `Engine` directly (no stage inherits from another) and implements, in
 this order: construction (partition), the bucket hook, the end of backward, `step`,
-`zero_grad`, `state_dict`, and `memory_tensors` (what it holds, by category).
+`zero_grad`, `state_dict`, and `memory_tensors` (what it holds, by category), and last
+`load_flat_params`, the one stage-specific step of loading a checkpoint: `save` and `load`
+themselves are generic (zerokit/checkpoint.py), driven by `flat_params` and the optimizer's
+master shards.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 from torch import nn
@@ -107,3 +111,18 @@ class Engine:
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         raise NotImplementedError
+
+    def load_flat_params(self, flats: list[torch.Tensor]) -> None:
+        """Write full values into the stage's storage: flats[i] is flat param i's (padded_numel,) fp32 buffer."""
+        raise NotImplementedError
+
+    # -- checkpoints (zerokit/checkpoint.py; generic over stages) ---------------------------
+    def save(self, directory: str | os.PathLike, extra: dict | None = None) -> None:
+        """Write a sharded checkpoint (every rank its own range; rank 0 the model and meta). A collective."""
+        from zerokit import checkpoint  # imported here: core never depends on the package at import time
+        checkpoint.save(self, directory, extra=extra)
+
+    def load(self, directory: str | os.PathLike) -> dict:
+        """Load a checkpoint saved at any world size, stage or precision; returns its meta (with `extra`)."""
+        from zerokit import checkpoint
+        return checkpoint.load(self, directory)

@@ -182,3 +182,10 @@ class Zero1Engine(Engine):
             "master_params": self.optimizer.master_tensors(),
             "optimizer_states": self.optimizer.state_tensors(),
         }
+
+    # 7. checkpoint hook ------------------------------------------------------------------
+    def load_flat_params(self, flats: list[torch.Tensor]) -> None:
+        """Checkpoint loading: every rank writes each full (padded_numel,) buffer into its whole bucket."""
+        self.finish_backward()
+        for fp, full in zip(self.flat_params, flats):
+            self.flat_data[fp.index].copy_(full)  # cast to the param dtype; padding is zero in `full`

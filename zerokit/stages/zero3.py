@@ -604,6 +604,15 @@ class Zero3Engine(Engine):
         """Bytes of unsharded parameter storage alive right now (the working set)."""
         return sum(t.untyped_storage().nbytes() for t in self.unsharded)
 
+    # 7. checkpoint hook ------------------------------------------------------------------
+    def load_flat_params(self, flats: list[torch.Tensor]) -> None:
+        """Checkpoint loading: keep this rank's range of each full buffer; every unit stays sharded."""
+        self.finish_backward()
+        for unit in self.units:
+            self._reshard(unit)  # the next forward gathers the loaded shards
+        for fp, full in zip(self.flat_params, flats):
+            self.param_shards[fp.index].copy_(fp.shard_of(full))  # (shard_numel,) cast to the param dtype
+
 
 # ---------------------------------------------------------------------- helpers
 def _wrap_matcher(wrap: WrapPolicy) -> Callable[[nn.Module], bool]:
