@@ -128,12 +128,19 @@ def _shard_numel(numel: int, world_size: int) -> int:
 
 
 def estimate(num_params: int | float, world_size: int, stage: int, precision: str = "bf16",
-             optimizer: str = "adam", trainable_params: int | float | None = None) -> MemoryEstimate:
+             optimizer: str = "adam", trainable_params: int | float | None = None,
+             reduce_precision: str | None = None) -> MemoryEstimate:
     """Model-state bytes on one rank for ZeRO `stage` at `world_size` ranks, up to padding.
 
     num_params: Ψ, all parameters (trainable and frozen). trainable_params: Ψ_t, defaults to Ψ;
     the Ψ - Ψ_t frozen ones (LoRA base weights) cost only their weights. `activations` is 0: add
     an activation estimate yourself (dataclasses.replace) since it depends on batch and sequence.
+
+    reduce_precision: the dtype gradients are reduced in (None: `precision`). When it differs,
+    the grad shards live in it (r bytes per element, core/grad_reduce.py): stage 1 keeps a
+    ceil(Ψ_t/N)·r shard of its own beside its full param-dtype gradient, stages 2 and 3 hold
+    ceil(Ψ_t/N)·r instead of ·g. Stage 0's reduce-dtype buffers live only from backward to
+    step: they are communication buffers, not counted here.
     """
     psi = _as_count(num_params, "num_params")
     psi_t = psi if trainable_params is None else _as_count(trainable_params, "trainable_params")
@@ -144,6 +151,9 @@ def estimate(num_params: int | float, world_size: int, stage: int, precision: st
     _check_stage(stage)
     per = bytes_per_param(precision, optimizer)
     psi_f = psi - psi_t
+    reduce_precision = precision if reduce_precision is None else reduce_precision
+    if reduce_precision not in PRECISIONS:
+        raise ValueError(f"reduce_precision must be one of {PRECISIONS}, got {reduce_precision!r}")
 
     # Element counts per rank, trainable part: full Ψ_t when replicated, ceil(Ψ_t / N) when sharded.
     full_t, shard_t = psi_t, _shard_numel(psi_t, world_size)
@@ -151,9 +161,13 @@ def estimate(num_params: int | float, world_size: int, stage: int, precision: st
     grads_numel = shard_t if stage >= 2 else full_t
     params_numel = (shard_t + _shard_numel(psi_f, world_size)) if stage >= 3 else psi
 
+    grads = per.grads * grads_numel
+    if reduce_precision != precision:
+        r = bytes_per_param(reduce_precision, optimizer).grads
+        grads = {0: per.grads * full_t, 1: per.grads * full_t + r * shard_t}.get(stage, r * shard_t)
     return MemoryEstimate(
         params=per.params * params_numel,
-        grads=per.grads * grads_numel,
+        grads=grads,
         master_params=per.master_params * states_numel,
         optimizer_states=per.optimizer_states * states_numel,
     )
@@ -266,11 +280,13 @@ def zero3_working_set_bytes(cfg: Any, precision: str = "bf16", prefetch: int = 1
 # `memory_tensors()`, each storage once. Two kinds of bytes are not model states and are added
 # here:
 #
-# * comm_buffers: storage a stage keeps only to communicate (persistent staging buffers for
-#   collectives; stage 3 reports its gathered units itself, as "unsharded_params" and
-#   "unsharded_grads", while they are alive). A stage exposes them as `engine.comm_buffer_tensors() -> list of
-#   tensors`; a stage without the method holds none that outlive a step. A storage already
-#   counted under a model-state category is not counted again here.
+# * comm_buffers: storage a stage keeps only to communicate (reduce-dtype copies of gradients
+#   and accumulation outputs while their reduce-scatter is in flight, all-gather input clones
+#   while the gathers run, and at stage 0 the reduce-dtype gradients from backward until step;
+#   stage 3 reports its gathered units itself, as "unsharded_params" and "unsharded_grads",
+#   while they are alive). A stage exposes them as `engine.comm_buffer_tensors() -> list of
+#   tensors` (empty when none is alive, so 0 after step). A storage already counted under a
+#   model-state category is not counted again here.
 # * activations: tensors autograd saves for backward. They depend on the batch, not on the
 #   engine, so they are measured around one forward+backward (`ActivationMeter`) and passed in.
 #
@@ -445,8 +461,11 @@ def ledger(engine: Any, activation_bytes: int | None = None, predicted_activatio
     num_params = sum(p.numel() for p in params)
     trainable = sum(p.numel() for p in params if p.requires_grad)
     precision = engine.policy.name
+    from zerokit.core.precision import PRECISIONS as DTYPES  # imports torch: kept out of the formulas' module scope
+    reduce_precision = next(name for name, dtype in DTYPES.items() if dtype == engine.policy.reduce_dtype)
     kind = optimizer_kind(engine.optimizer.optimizer)
-    est = estimate(num_params, engine.world_size, engine.stage, precision, kind, trainable_params=trainable)
+    est = estimate(num_params, engine.world_size, engine.stage, precision, kind, trainable_params=trainable,
+                   reduce_precision=reduce_precision)
     predicted: dict[str, int | None] = {c: getattr(est, c) for c in MODEL_STATE_CATEGORIES}
     predicted["comm_buffers"] = None
     predicted["activations"] = predicted_activations

@@ -21,9 +21,15 @@ step() in numbered phases:
   1. fp16 only: inf/nan check on the local grad shards; one all-reduce(MAX) so that every
      rank agrees; on overflow every rank skips the step and the scaler backs off.
   2. form master gradients in fp32: grad * (clip_coef / loss_scale)  (unscale + clip once).
+     A grad shard already in the master dtype (fp32 training, or gradients reduced in fp32:
+     see core/grad_reduce.py [Note: reduce dtype]) is used as it is, scaled in place: no copy
+     and no second rounding; any other dtype is cast into a transient fp32 copy.
   3. optimizer.step() on the master shards.
   4. copy master -> param shard (cast to the param dtype); drop transient fp32 grads.
 The all-gather that brings the updated shards back into full buffers is the stage's job.
+
+`grad_shards[k]` is read at every step, not cached: stage 0 under a distinct reduce dtype
+points it at the reduce-dtype buffer its all-reduce filled, for that step only.
 """
 from __future__ import annotations
 
@@ -80,21 +86,22 @@ class ShardedOptimizer:
             inv_scale = torch.tensor(1.0 / self.scaler.scale, dtype=torch.float32)
             multiplier = inv_scale if multiplier is None else multiplier * inv_scale
         for master, grad in zip(self.master_shards, self.grad_shards):
-            if self.policy.needs_master:
-                master.grad = grad.to(self.policy.master_dtype)  # (shard_numel,) fp32, transient
-                if multiplier is not None:
-                    master.grad.mul_(multiplier)
-            else:
+            if grad.dtype == master.dtype:
                 if multiplier is not None:
                     grad.mul_(multiplier)
-                master.grad = grad  # a view: the optimizer reads the grad shard in place
+                master.grad = grad  # the optimizer reads the grad shard in place
+            else:
+                master.grad = grad.to(master.dtype)  # (shard_numel,) fp32, transient
+                if multiplier is not None:
+                    master.grad.mul_(multiplier)
         # 3. update
         self.optimizer.step()
-        # 4. refresh low-precision params; free the transient fp32 gradients
-        if self.policy.needs_master:
-            for master, param in zip(self.master_shards, self.param_shards):
+        # 4. refresh low-precision params; let go of the master gradients (transient copies,
+        #    or references that would keep a stage's transient reduce buffer alive)
+        for master, param in zip(self.master_shards, self.param_shards):
+            if self.policy.needs_master:
                 param.copy_(master)
-                master.grad = None
+            master.grad = None
         if self.scaler is not None:
             self.scaler.update(False)
         self.grad_multiplier = None

@@ -16,6 +16,15 @@ What happens, per step:
 Collectives per step: one all-reduce of the gradients. Logical bytes per rank:
 2 * Ψ * g (g = gradient bytes per element; ZeRO accounting, see core/comm.py).
 
+Reduce dtype (core/grad_reduce.py [Note: reduce dtype]): when `policy.reduce_dtype` is not
+the param dtype (e.g. bf16 params, fp32 reductions), the buckets stay in the param dtype
+(autograd accumulates into them) and each ready bucket is cast into a new (padded_numel,)
+reduce-dtype buffer, scaled by 1/N there and all-reduced in it (g = reduce-dtype bytes:
+2x the bytes for fp32 reductions of bf16 gradients). The averaged gradient then lives in
+that buffer, which the optimizer reads, until `step` (or `zero_grad`) drops it: Ψ·r extra
+bytes from the bucket's hook to the step (fp32 reductions of bf16: 2Ψ + 4Ψ = 6Ψ gradient
+bytes at that moment), reported as comm_buffers; `param.grad` keeps this rank's local sum.
+
 Per-rank memory (Ψ parameters, up to padding < N elements per bucket):
   fp32 + Adam:        params 4Ψ + grads 4Ψ + optimizer_states 8Ψ                = 16Ψ
   bf16/fp16 + Adam:   params 2Ψ + grads 2Ψ + master_params 4Ψ + optimizer_states 8Ψ = 16Ψ
@@ -28,6 +37,7 @@ from torch import nn
 from zerokit.core.bucketing import InFlight
 from zerokit.core.engine import Engine
 from zerokit.core.flat_param import FlatParam, broadcast_module_state, build_flat_params, check_module
+from zerokit.core.grad_reduce import grad_reduce_input
 from zerokit.core.hooks import GradReadyTracker
 from zerokit.optim.sharded import ShardedOptimizer
 
@@ -67,6 +77,10 @@ class DDPEngine(Engine):
             for m, fp in zip(self.optimizer.master_shards, trainable):
                 m.copy_(masters[fp.index])
         del masters
+        # (padded_numel,) reduce dtype: a bucket's averaged gradient from its hook until step,
+        # only when the reduce dtype is not the param dtype (module docstring).
+        self.reduced_grads: list[torch.Tensor | None] = [None] * len(self.flat_params)
+        self._optimizer_slot = {fp.index: k for k, fp in enumerate(trainable)}  # bucket -> optimizer grad_shards[k]
         self.in_flight = InFlight()
         self.tracker = GradReadyTracker(self.flat_params, self._on_bucket_ready, self._on_backward_end)
 
@@ -76,8 +90,11 @@ class DDPEngine(Engine):
         if not self.sync_gradients:
             return  # no_sync: gradients keep accumulating in the bucket
         grad = self.flat_grads[fp.index]
-        grad.mul_(1.0 / self.world_size)  # pre-divide, as torch DDP does
-        self.in_flight.push(self.comm.all_reduce(grad, async_op=True, phase="backward"))
+        send = grad_reduce_input(grad, self.world_size, self.policy.reduce_dtype)  # pre-divided by N
+        if send is not grad:  # a reduce-dtype copy: the optimizer reads the average from it
+            self.reduced_grads[fp.index] = send
+            self.optimizer.grad_shards[self._optimizer_slot[fp.index]] = send
+        self.in_flight.push(self.comm.all_reduce(send, async_op=True, phase="backward"))
 
     # 3. finish backward ---------------------------------------------------------------
     def _on_backward_end(self) -> None:
@@ -91,10 +108,20 @@ class DDPEngine(Engine):
     def step(self) -> bool:
         """Update every parameter on every rank (replicated optimizer). False if fp16 skipped it."""
         self.finish_backward()
-        return self.optimizer.step()
+        stepped = self.optimizer.step()
+        self.release_reduced_grads()
+        return stepped
+
+    def release_reduced_grads(self) -> None:
+        """Drop the reduce-dtype buffers; the optimizer reads the param-dtype buckets again."""
+        for fp in self.flat_params:
+            if self.reduced_grads[fp.index] is not None:
+                self.reduced_grads[fp.index] = None
+                self.optimizer.grad_shards[self._optimizer_slot[fp.index]] = self.flat_grads[fp.index]
 
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
+        self.release_reduced_grads()
         for grad in self.flat_grads:
             if grad is not None:
                 grad.zero_()
@@ -114,7 +141,9 @@ class DDPEngine(Engine):
     def norm_shards(self) -> list[torch.Tensor]:
         # Every rank holds the whole gradient; each sums only its own range so that the
         # norm is computed exactly as the sharded stages compute it.
-        return [fp.shard_of(self.flat_grads[fp.index]) for fp in self.flat_params if fp.requires_grad]
+        # What the optimizer reads: the bucket, or its reduce-dtype copy (module docstring).
+        slot = self._optimizer_slot
+        return [fp.shard_of(self.optimizer.grad_shards[slot[fp.index]]) for fp in self.flat_params if fp.requires_grad]
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {
@@ -123,6 +152,14 @@ class DDPEngine(Engine):
             "master_params": self.optimizer.master_tensors(),
             "optimizer_states": self.optimizer.state_tensors(),
         }
+
+    def comm_buffer_tensors(self) -> list[torch.Tensor]:
+        """Buffers alive only to communicate: the reduce-dtype gradients, from a bucket's hook to step.
+
+        (core/comm.py's ordered reduction allocates its receive buffers inside each call and
+        drops them when the call completes; they are not listed.)
+        """
+        return [t for t in self.reduced_grads if t is not None]
 
     # 7. checkpoint hook ------------------------------------------------------------------
     def load_flat_params(self, flats: list[torch.Tensor]) -> None:

@@ -29,6 +29,14 @@ Per-rank memory (Ψ parameters, N ranks, up to padding < N elements per bucket):
   bf16/fp16 + Adam:  params 2Ψ + grads 2Ψ + master_params 4Ψ/N + optimizer_states 8Ψ/N = 4Ψ + 12Ψ/N
 (plus, transiently, the reduce-scatter's receive buffer and the all-gather's input clone).
 
+Reduce dtype (core/grad_reduce.py [Note: reduce dtype]): when it is not the param dtype
+(e.g. bf16 params, fp32 reductions), each bucket is cast into a (padded_numel,) reduce-dtype
+copy, scaled by 1/N there and reduce-scattered from it into a grad shard of its own, a
+(shard_numel,) reduce-dtype tensor (the bucket keeps this rank's local sum). A copy is
+dropped as soon as its reduce-scatter completes; the CPU waits so that at most two are alive.
+Then grads = Ψ·g + Ψ·r/N (bf16 with fp32 reductions: 2Ψ + 4Ψ/N) and the reduce-scatter
+counts Ψ·r bytes (2x).
+
 `param.grad` after backward is not the averaged gradient here (only this rank's range is,
 in the grad shard); read gradients through `clip_grad_norm_` or the grad shards. Because
 the grad shard lives inside the gradient bucket, a second synced backward without
@@ -43,6 +51,7 @@ from torch import nn
 from zerokit.core.bucketing import InFlight
 from zerokit.core.engine import Engine
 from zerokit.core.flat_param import FlatParam, broadcast_module_state, build_flat_params, check_module
+from zerokit.core.grad_reduce import grad_reduce_input, needs_reduce_buffer
 from zerokit.core.hooks import GradReadyTracker
 from zerokit.optim.sharded import ShardedOptimizer
 
@@ -59,7 +68,9 @@ class Zero1Engine(Engine):
         self.flat_params: list[FlatParam] = build_flat_params(infos, self.world_size, self.rank, bucket_numel)
         self.flat_data: list[torch.Tensor] = []  # (padded_numel,) param dtype, one per bucket
         self.flat_grads: list[torch.Tensor | None] = []  # (padded_numel,) full gradients, trainable buckets
-        self.grad_shards: list[torch.Tensor | None] = []  # (shard_numel,) views: this rank's averaged range
+        # (shard_numel,) this rank's averaged range: a view into the bucket, or its own
+        # reduce-dtype tensor when the reduce dtype is not the param dtype.
+        self.grad_shards: list[torch.Tensor | None] = []
         # True once a reduce-scatter has overwritten the grad shard since zero_grad.
         self.grad_shard_written: list[bool] = []
         masters = []
@@ -75,7 +86,12 @@ class Zero1Engine(Engine):
             grad = fp.new_flat() if fp.requires_grad else None
             fp.use_as_grad_storage(grad)
             self.flat_grads.append(grad)
-            self.grad_shards.append(fp.shard_of(grad) if fp.requires_grad else None)
+            if grad is None:
+                self.grad_shards.append(None)
+            elif needs_reduce_buffer(dtype, policy.reduce_dtype):
+                self.grad_shards.append(fp.new_flat(policy.reduce_dtype, numel=fp.shard_numel))
+            else:
+                self.grad_shards.append(fp.shard_of(grad))
             self.grad_shard_written.append(False)
         trainable = [fp for fp in self.flat_params if fp.requires_grad]
         self.optimizer = ShardedOptimizer(
@@ -88,6 +104,8 @@ class Zero1Engine(Engine):
                 m.copy_(fp.shard_of(masters[fp.index]))
         del masters
         self.in_flight = InFlight()
+        self.reduce_buffers: dict[int, list[torch.Tensor]] = {}  # bucket -> its reduce-scatter's transient tensors
+        self.gather_inputs: list[torch.Tensor] = []  # (shard_numel,) clones, while all_gather_params runs
         self.tracker = GradReadyTracker(self.flat_params, self._on_bucket_ready, self._on_backward_end)
 
     # 2. gradient hook ---------------------------------------------------------------
@@ -115,10 +133,16 @@ class Zero1Engine(Engine):
                 "micro-step synchronise, or call zero_grad() between steps")
         self.grad_shard_written[fp.index] = True
         grad = self.flat_grads[fp.index]  # (padded_numel,)
-        grad.mul_(1.0 / self.world_size)  # pre-divide exactly as stage 0 does, so the sums agree bit for bit
-        # In place: the output is this rank's range of the input (comm handles the aliasing).
-        self.in_flight.push(self.comm.reduce_scatter(self.grad_shards[fp.index], grad, async_op=True,
-                                                     phase="backward"))
+        # Pre-divide (and cast) exactly as stage 0 does, so the sums agree bit for bit.
+        send = grad_reduce_input(grad, self.world_size, self.policy.reduce_dtype)
+        if send is not grad:  # a reduce-dtype copy, alive until its reduce-scatter completes
+            self.reduce_buffers[fp.index] = [send]  # (padded_numel,) reduce dtype
+        # send is grad: in place, the output is this rank's range of the input (comm handles the aliasing).
+        self.in_flight.push(self.comm.reduce_scatter(self.grad_shards[fp.index], send, async_op=True,
+                                                     phase="backward"),
+                            lambda index=fp.index: self.reduce_buffers.pop(index, None))
+        if send is not grad:
+            self.in_flight.wait_until(1)  # the CPU waits: at most two reduce-dtype copies alive
 
     # 4. step ---------------------------------------------------------------------------
     def step(self) -> bool:
@@ -138,7 +162,7 @@ class Zero1Engine(Engine):
         # param dtype (reads and writes shard_numel * p bytes); re-casting the fp32 master
         # under mixed precision would read twice as many bytes for the same result. The
         # clones live until every gather completes: Ψ·p/N transient bytes.
-        inputs = []
+        inputs = self.gather_inputs  # listed by comm_buffer_tensors() while they are alive
         for fp in self.flat_params:
             if fp.requires_grad:
                 flat = self.flat_data[fp.index]  # (padded_numel,)
@@ -146,12 +170,15 @@ class Zero1Engine(Engine):
                 inputs.append(param_shard)
                 self.in_flight.push(self.comm.all_gather(flat, param_shard, async_op=True, phase="step"))
         self.in_flight.wait_all()
+        inputs.clear()
 
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
         for fp in self.flat_params:
             if fp.requires_grad:
-                self.flat_grads[fp.index].zero_()  # the grad shard is a view: zeroed with it
+                self.flat_grads[fp.index].zero_()  # the grad shard, if a view, is zeroed with it
+                if self.grad_shards[fp.index].dtype != self.flat_grads[fp.index].dtype:  # its own tensor
+                    self.grad_shards[fp.index].zero_()
                 self.grad_shard_written[fp.index] = False
 
     # 6. state_dict ----------------------------------------------------------------------
@@ -178,10 +205,19 @@ class Zero1Engine(Engine):
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {
             "params": self.flat_data,
-            "grads": [g for g in self.flat_grads if g is not None],  # grad shards are views into these
+            # grad shards: views into the buckets (counted once), or reduce-dtype tensors of their own
+            "grads": [g for g in self.flat_grads if g is not None] + [g for g in self.grad_shards if g is not None],
             "master_params": self.optimizer.master_tensors(),
             "optimizer_states": self.optimizer.state_tensors(),
         }
+
+    def comm_buffer_tensors(self) -> list[torch.Tensor]:
+        """Buffers alive only to communicate: reduce-dtype copies in flight, all-gather input clones.
+
+        (core/comm.py's ordered reduction allocates its receive buffers inside each call and
+        drops them when the call completes; they are not listed.)
+        """
+        return [t for alive in self.reduce_buffers.values() for t in alive] + self.gather_inputs
 
     # 7. checkpoint hook ------------------------------------------------------------------
     def load_flat_params(self, flats: list[torch.Tensor]) -> None:

@@ -38,6 +38,14 @@ buckets waiting, since buckets are released strictly in bucket order (core/hooks
 Collectives per step: one reduce-scatter of the gradients (B = Ψ·g bytes) and one
 all-gather of the params (B = Ψ·p bytes): 2B, the same as stage 0's all-reduce.
 
+Reduce dtype (core/grad_reduce.py [Note: reduce dtype]): when it is not the param dtype
+(e.g. bf16 params, fp32 reductions), the grad shards are (shard_numel,) reduce-dtype tensors
+(grads = Ψ·r/N: 4Ψ/N for fp32) and a ready bucket is cast into a (padded_numel,)
+reduce-dtype copy, scaled by 1/N there and reduce-scattered from it; the param-dtype bucket
+is released right after the cast, the copy when its reduce-scatter completes. So the
+`max_in_flight` buckets in the bound above are reduce-dtype copies (r bytes per element)
+and the reduce-scatter counts Ψ·r bytes (2x for fp32 reductions of bf16 gradients).
+
 Gradient accumulation (`no_sync()`), chosen by `accumulate=`:
   * "reduce_scatter" (default, low memory): every micro-step reduce-scatters anyway and
     adds its shard into the accumulating grad shard, so full-size gradient memory stays
@@ -61,6 +69,7 @@ from torch import nn
 from zerokit.core.bucketing import InFlight
 from zerokit.core.engine import Engine
 from zerokit.core.flat_param import FlatParam, broadcast_module_state, build_flat_params, check_module
+from zerokit.core.grad_reduce import grad_reduce_input
 from zerokit.core.hooks import GradReadyTracker
 from zerokit.optim.sharded import ShardedOptimizer
 
@@ -88,7 +97,7 @@ class Zero2Engine(Engine):
         # (padded_numel,) full gradients: None except while a bucket is being accumulated or
         # reduce-scattered (or kept across no_sync micro-steps under accumulate="local").
         self.flat_grads: list[torch.Tensor | None] = []
-        self.grad_shards: list[torch.Tensor | None] = []  # (shard_numel,) this rank's averaged range
+        self.grad_shards: list[torch.Tensor | None] = []  # (shard_numel,) reduce dtype: this rank's averaged range
         # False until a reduce-scatter has written the grad shard since zero_grad: the first
         # one lands directly in it, later ones (micro-steps, repeated backwards) are added.
         self.grad_shard_written: list[bool] = []
@@ -104,7 +113,8 @@ class Zero2Engine(Engine):
             masters.append(fp32)
             fp.use_as_grad_storage(None)  # allocated lazily by _on_first_grad
             self.flat_grads.append(None)
-            self.grad_shards.append(fp.new_flat(numel=fp.shard_numel) if fp.requires_grad else None)
+            self.grad_shards.append(fp.new_flat(policy.reduce_dtype, numel=fp.shard_numel)
+                                    if fp.requires_grad else None)
             self.grad_shard_written.append(False)
         trainable = [fp for fp in self.flat_params if fp.requires_grad]
         self.optimizer = ShardedOptimizer(
@@ -117,6 +127,8 @@ class Zero2Engine(Engine):
                 m.copy_(fp.shard_of(masters[fp.index]))
         del masters
         self.in_flight = InFlight()
+        self.reduce_buffers: dict[int, list[torch.Tensor]] = {}  # bucket -> its reduce-scatter's transient tensors
+        self.gather_inputs: list[torch.Tensor] = []  # (shard_numel,) clones, while all_gather_params runs
         self.tracker = GradReadyTracker(self.flat_params, self._on_bucket_ready, self._on_backward_end,
                                         on_first_grad=self._on_first_grad)
 
@@ -149,12 +161,20 @@ class Zero2Engine(Engine):
         """Launch: this rank's range of the bucket's rank-averaged gradient goes into its grad shard."""
         grad = self.flat_grads[fp.index]  # (padded_numel,)
         grad_shard = self.grad_shards[fp.index]  # (shard_numel,)
-        grad.mul_(1.0 / self.world_size)  # pre-divide exactly as stage 0 does, so the sums agree bit for bit
+        # Pre-divide (and cast) exactly as stage 0 does, so the sums agree bit for bit.
+        send = grad_reduce_input(grad, self.world_size, self.policy.reduce_dtype)
+        alive = []  # transient tensors of this reduce-scatter, listed by comm_buffer_tensors()
+        if send is not grad:  # the reduce-dtype copy is the input: the param-dtype bucket can go now
+            alive.append(send)
+            fp.use_as_grad_storage(None)
+            self.flat_grads[fp.index] = None
         if not self.grad_shard_written[fp.index]:
             out, add_into_shard = grad_shard, False
         else:  # a later backward since zero_grad: accumulate, as torch's .grad does
             out, add_into_shard = torch.empty_like(grad_shard), True
+            alive.append(out)
         self.grad_shard_written[fp.index] = True
+        self.reduce_buffers[fp.index] = alive
 
         def on_done() -> None:
             if add_into_shard:
@@ -162,8 +182,9 @@ class Zero2Engine(Engine):
             # The owners have this bucket's content now: release the full-size storage.
             fp.use_as_grad_storage(None)
             self.flat_grads[fp.index] = None
+            self.reduce_buffers.pop(fp.index, None)
 
-        self.in_flight.push(self.comm.reduce_scatter(out, grad, async_op=True, phase="backward"), on_done)
+        self.in_flight.push(self.comm.reduce_scatter(out, send, async_op=True, phase="backward"), on_done)
 
     # 4. step ---------------------------------------------------------------------------
     def step(self) -> bool:
@@ -183,7 +204,7 @@ class Zero2Engine(Engine):
         # param dtype (reads and writes shard_numel * p bytes); re-casting the fp32 master
         # under mixed precision would read twice as many bytes for the same result. The
         # clones live until every gather completes: Ψ·p/N transient bytes.
-        inputs = []
+        inputs = self.gather_inputs  # listed by comm_buffer_tensors() while they are alive
         for fp in self.flat_params:
             if fp.requires_grad:
                 flat = self.flat_data[fp.index]  # (padded_numel,)
@@ -191,6 +212,7 @@ class Zero2Engine(Engine):
                 inputs.append(param_shard)
                 self.in_flight.push(self.comm.all_gather(flat, param_shard, async_op=True, phase="step"))
         self.in_flight.wait_all()
+        inputs.clear()
 
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -230,6 +252,14 @@ class Zero2Engine(Engine):
             "master_params": self.optimizer.master_tensors(),
             "optimizer_states": self.optimizer.state_tensors(),
         }
+
+    def comm_buffer_tensors(self) -> list[torch.Tensor]:
+        """Buffers alive only to communicate: reduce-scatter inputs and outputs in flight, all-gather input clones.
+
+        (core/comm.py's ordered reduction allocates its receive buffers inside each call and
+        drops them when the call completes; they are not listed.)
+        """
+        return [t for alive in self.reduce_buffers.values() for t in alive] + self.gather_inputs
 
     # 7. checkpoint hook ------------------------------------------------------------------
     def load_flat_params(self, flats: list[torch.Tensor]) -> None:

@@ -37,6 +37,14 @@ Per-rank memory (Ψ parameters, up to padding < N elements per flat buffer):
   A unit called twice in one forward stays gathered until its last call, and units are
   kept whole while a checkpointed region is recomputed; both can add to the bound.
 
+Reduce dtype (core/grad_reduce.py [Note: reduce dtype]): when it is not the param dtype
+(e.g. bf16 params, fp32 reductions), the grad shards are (shard_numel,) reduce-dtype tensors
+(grads = Ψ·r/N: 4Ψ/N for fp32), and a unit's unsharded gradient is cast into a
+(padded_numel,) reduce-dtype copy, scaled by 1/N there and reduce-scattered from it; the
+param-dtype gradient is released right after the cast, the copy when its reduce-scatter
+completes (listed by `comm_buffer_tensors()` meanwhile). The reduce-scatter then counts
+Ψ·r bytes (2x for fp32 reductions of bf16 gradients); the gathers stay in the param dtype.
+
 Assumption, as for torch FSDP: every rank runs the same graph (same units in the same order).
 
 [Note: storage, not .data]
@@ -89,6 +97,7 @@ from torch.utils import _pytree as pytree
 from zerokit.core.bucketing import InFlight
 from zerokit.core.engine import Engine
 from zerokit.core.flat_param import FlatParam, ParamInfo, broadcast_module_state, build_flat_params, check_module
+from zerokit.core.grad_reduce import grad_reduce_input
 from zerokit.optim.sharded import ShardedOptimizer
 
 _ONE_UNIT = 1 << 62  # bucket_numel for build_flat_params: a unit's group is never split
@@ -181,7 +190,7 @@ class Zero3Engine(Engine):
         dtype = policy.param_dtype  # frozen params too are stored in the param dtype
         self.param_shards: list[torch.Tensor] = []  # (shard_numel,) param dtype, persistent
         self.unsharded: list[torch.Tensor] = []  # (padded_numel,) param dtype; storage 0 bytes when sharded
-        self.grad_shards: list[torch.Tensor | None] = []  # (shard_numel,) trainable flat params only
+        self.grad_shards: list[torch.Tensor | None] = []  # (shard_numel,) reduce dtype, trainable flat params only
         self.unsharded_grads: list[torch.Tensor | None] = []  # (padded_numel,) alive during backward
         fp32_shards = []
         for fp in self.flat_params:
@@ -194,7 +203,8 @@ class Zero3Engine(Engine):
             fp.use_as_param_storage(unsharded)  # once, for good: see [Note: storage, not .data]
             _free_storage(unsharded)
             self.unsharded.append(unsharded)
-            self.grad_shards.append(torch.zeros_like(self.param_shards[-1]) if fp.requires_grad else None)
+            self.grad_shards.append(torch.zeros_like(self.param_shards[-1], dtype=policy.reduce_dtype)
+                                    if fp.requires_grad else None)
             self.unsharded_grads.append(None)
         del fp32
         self._grad_shard_clean = [True] * len(self.flat_params)  # zero: reduce-scatter straight into it
@@ -214,6 +224,7 @@ class Zero3Engine(Engine):
         self.gather_stream = torch.cuda.Stream() if self.flat_params and self.flat_params[0].device.type == "cuda" \
             else None
         self.in_flight = InFlight()  # reduce-scatters launched in backward
+        self.reduce_buffers: dict[int, list[torch.Tensor]] = {}  # flat param -> its reduce-scatter's transient tensors
         self.in_backward = False
         self._in_forward = False
         self._fwd_order: list[int] = [u.index for u in self.units[1:]]  # first guess: registration order
@@ -464,10 +475,18 @@ class Zero3Engine(Engine):
             flat_grad = self.unsharded_grads[i]
             if flat_grad is None:  # no gradient reached this flat param: its contribution is zero
                 flat_grad = fp.new_flat()
-            flat_grad.mul_(1.0 / self.world_size)  # pre-divide, as torch DDP and stage 0 do
+            # Pre-divide (and cast) exactly as stage 0 does, so the sums agree bit for bit.
+            send = grad_reduce_input(flat_grad, self.world_size, self.policy.reduce_dtype)
+            if send is not flat_grad and self.unsharded_grads[i] is flat_grad:
+                fp.use_as_grad_storage(None)  # the reduce-dtype copy is the input: the gradient can go now
+                self.unsharded_grads[i] = None
             clean = self._grad_shard_clean[i]
             out = self.grad_shards[i] if clean else torch.empty_like(self.grad_shards[i])  # (shard_numel,)
-            handle = self.comm.reduce_scatter(out, flat_grad, async_op=True, phase="backward")
+            # Transient tensors of this reduce-scatter (a zero or reduce-dtype input, an
+            # accumulation output), listed by comm_buffer_tensors() until it completes.
+            alive = [] if send is self.unsharded_grads[i] else [send]
+            self.reduce_buffers[i] = alive if clean else alive + [out]
+            handle = self.comm.reduce_scatter(out, send, async_op=True, phase="backward")
             self._grad_shard_clean[i] = False
             self.in_flight.push(handle, self._make_reduce_done(fp, flat_grad, None if clean else out))
             # Bound the unsharded gradients alive: at most one reduce-scatter in flight beside
@@ -478,6 +497,7 @@ class Zero3Engine(Engine):
         def done() -> None:
             if partial is not None:  # a second sync backward without zero_grad: accumulate
                 self.grad_shards[fp.index].add_(partial)
+            self.reduce_buffers.pop(fp.index, None)
             if self.unsharded_grads[fp.index] is flat_grad:
                 fp.use_as_grad_storage(None)
                 self.unsharded_grads[fp.index] = None  # the (padded_numel,) gradient is freed
@@ -599,6 +619,15 @@ class Zero3Engine(Engine):
         if grads:
             out["unsharded_grads"] = grads
         return out
+
+    def comm_buffer_tensors(self) -> list[torch.Tensor]:
+        """Buffers alive only to communicate: reduce-scatter inputs and outputs in flight (not model states).
+
+        The gathered units are reported by `memory_tensors()` (unsharded_params / _grads);
+        core/comm.py's ordered reduction allocates its receive buffers inside each call and
+        drops them when the call completes, so they are not listed.
+        """
+        return [t for alive in self.reduce_buffers.values() for t in alive]
 
     def unsharded_param_bytes(self) -> int:
         """Bytes of unsharded parameter storage alive right now (the working set)."""
