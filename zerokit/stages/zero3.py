@@ -92,7 +92,6 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from zerokit.core.bucketing import InFlight
 from zerokit.core.engine import Engine
@@ -329,7 +328,7 @@ class Zero3Engine(Engine):
             self._fwd_order = list(self._fwd_seen)
             self._fwd_uses = collections.Counter(self._fwd_order)
             self._bwd_order = None
-        tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = [t for t in _tensors_in(output) if t.requires_grad]
         if not tensors:  # no backward will follow (evaluation): free everything now
             for unit in self.units:
                 self._reshard(unit)
@@ -353,15 +352,13 @@ class Zero3Engine(Engine):
                 self._prefetch(self._fwd_order, position + 1, "forward")
             if not torch.is_grad_enabled():
                 return None
-            flat, spec = pytree.tree_flatten((args, kwargs))
-            where = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if not where:
+            inputs = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
+            if not inputs:
                 return None
             unit.pending_inputs += 1
-            wrapped = _InputsGradDone.apply(lambda: self._on_inputs_grad_done(unit), *[flat[i] for i in where])
-            for i, t in zip(where, wrapped):
-                flat[i] = t
-            return pytree.tree_unflatten(flat, spec)
+            wrapped = _InputsGradDone.apply(lambda: self._on_inputs_grad_done(unit), *inputs)
+            replace = {id(t): w for t, w in zip(inputs, wrapped)}
+            return _map_tensors((args, kwargs), lambda t: replace.get(id(t), t))
         return pre_forward
 
     def _make_post_forward(self, unit: Unit):
@@ -369,8 +366,8 @@ class Zero3Engine(Engine):
             if self.in_backward:  # recompute: keep the unit until its backward is done
                 return
             if torch.is_grad_enabled():
-                for t in pytree.tree_leaves(output):
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                for t in _tensors_in(output):
+                    if t.requires_grad:
                         t.register_hook(self._make_pre_backward(unit))
             if self.reshard_after_forward and not self._called_again(unit):
                 self._reshard(unit)
@@ -712,3 +709,27 @@ def _alloc_storage(t: torch.Tensor) -> None:
 def _free_storage(t: torch.Tensor) -> None:
     if t.untyped_storage().nbytes() != 0:
         t.untyped_storage().resize_(0)
+
+
+def _tensors_in(obj) -> list[torch.Tensor]:
+    """Every tensor inside nested tuples / lists / dicts (a module's inputs or outputs), in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors_in(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _tensors_in(item)]
+    return []
+
+
+def _map_tensors(obj, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """The same nesting with every tensor replaced by fn(tensor) (namedtuples keep their type)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map_tensors(item, fn) for item in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(item, fn) for item in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
