@@ -60,12 +60,29 @@ def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().clone() for k, v in module.state_dict().items()}
 
 
+def _build_ddp(model):
+    """torch's DDP. Under TORCH_DISTRIBUTED_DEBUG=DETAIL its constructor segfaults on torch 2.13
+    with gloo (in the logger, on the debug-wrapped process group), so there the reference gets
+    its own process group created without the wrapper; zerokit's collectives keep DETAIL's
+    consistency checks on the default group."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    level = dist.get_debug_level()
+    if level != dist.DebugLevel.DETAIL:
+        return DDP(model)
+    dist.set_debug_level(dist.DebugLevel.INFO)
+    try:
+        group = dist.new_group(backend="gloo")  # every rank calls this, in the same order
+    finally:
+        dist.set_debug_level(level)
+    return DDP(model, process_group=group)
+
+
 def train_torch_ddp(rank: int, world_size: int, optimizer_cls, opt_kwargs: dict, steps: int, batch_size: int,
                     seed: int = 0, clip: float | None = None):
     """torch's own DistributedDataParallel: the reference every stage is measured against."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
     model = odd_model(seed)
-    ddp = DDP(model) if world_size > 1 else model
+    ddp = _build_ddp(model) if world_size > 1 else model
     opt = optimizer_cls([p for p in model.parameters() if p.requires_grad], **opt_kwargs)
     losses = []
     for step in range(steps):
