@@ -20,6 +20,9 @@ Public API (stable names; see DESIGN.md):
   engine = zk.shard(model, torch.optim.AdamW, stage=2, lr=3e-4, precision="bf16", ...)
   loss = ...; engine.backward(loss); engine.clip_grad_norm_(1.0); engine.step(); engine.zero_grad()
   engine.memory(), engine.comm_stats(), engine.state_dict(full=True), engine.loss_scale
+  engine.save(dir), engine.load(dir)       sharded checkpoints; load may change world size and stage
+  zk.estimate(num_params, world_size, stage, precision)   analytic bytes per rank
+  zk.lora.inject(model, targets=("q", "v"), rank=8, alpha=1.0)
 """
 from __future__ import annotations
 
@@ -79,6 +82,8 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     `optimizer_cls`; `param_groups(name, param) -> dict` overrides them per parameter,
     and parameters with equal overrides share one flat buffer. `loss_scaler` holds
     LossScaler keywords for fp16 (init_scale, growth_interval, hysteresis, ...).
+    `reduce_dtype` (e.g. torch.float32 with precision="bf16") is the dtype gradients are
+    reduced and their shards kept in (default: the param dtype; see core/grad_reduce.py).
     `ordered_reduction`: see core/comm.py [Note: ordered reduction] (None = ordered on
     gloo, native on NCCL). `comm` replaces `group`/`ordered_reduction` with a ready Comm
     (for example a simulated rank of a larger world). `accumulate` (stage 2 only): how
