@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 import zerokit as zk
 from common import OddBlock, OddModel, odd_batch, train_torch_ddp, train_zerokit
-from zerokit.launch import RankFailed, run_ranks
+from zerokit.launch import run_ranks
 from zerokit.models import Block, build_model, preset
 
 STEPS, BATCH = 3, 3

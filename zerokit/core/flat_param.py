@@ -74,6 +74,20 @@ class FlatParam:
         return [flat[o:o + n].view(shape)
                 for o, n, shape in zip(self.layout.offsets, self.layout.numels, self.layout.shapes)]
 
+    def flatten_params(self, param_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Move the parameters into flat storage; return (flat_param, fp32 values).
+
+        flat_param (padded_numel,) in `param_dtype` becomes every parameter's `.data`; the
+        (padded_numel,) fp32 copy holds the exact original values, which fp32 master shards
+        are seeded from (not from their bf16/fp16 roundings). Under fp32 both are one tensor.
+        """
+        fp32 = self.new_flat(torch.float32)
+        self.copy_params_into(fp32)
+        flat_param = fp32 if param_dtype == torch.float32 else fp32.to(param_dtype)
+        self.dtype = param_dtype
+        self.use_as_param_storage(flat_param)
+        return flat_param, fp32
+
     def copy_params_into(self, flat: torch.Tensor) -> None:
         """Write the parameters' current values into `flat` (padding stays zero)."""
         for view, p in zip(self.views(flat), self.params):

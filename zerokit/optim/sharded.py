@@ -41,14 +41,18 @@ from zerokit.core.precision import LossScaler, PrecisionPolicy, has_inf_or_nan
 class ShardedOptimizer:
     def __init__(self, optimizer_cls: type[torch.optim.Optimizer], optimizer_kwargs: dict,
                  param_shards: list[torch.Tensor], grad_shards: list[torch.Tensor], options: list[dict],
-                 policy: PrecisionPolicy, comm, scaler: LossScaler | None = None):
+                 policy: PrecisionPolicy, comm, scaler: LossScaler | None = None,
+                 master_init: list[torch.Tensor] | None = None):
+        """`master_init`: fp32 values the master shards start from (aligned with param_shards);
+        by default the param shards themselves, which under bf16/fp16 are already rounded."""
         assert len(param_shards) == len(grad_shards) == len(options)
         self.policy, self.comm, self.scaler = policy, comm, scaler
         self.param_shards = param_shards
         self.grad_shards = grad_shards
         if policy.needs_master:
             # (shard_numel,) fp32 each: the weights the optimizer really updates.
-            self.master_shards = [p.detach().to(policy.master_dtype).clone() for p in param_shards]
+            sources = param_shards if master_init is None else master_init
+            self.master_shards = [m.detach().to(policy.master_dtype).clone() for m in sources]
         else:
             self.master_shards = param_shards  # fp32 training: the shard itself, a view
         groups: dict[tuple, list[torch.Tensor]] = {}

@@ -54,16 +54,11 @@ class DDPEngine(Engine):
         self.flat_params: list[FlatParam] = build_flat_params(infos, self.world_size, self.rank, bucket_numel)
         self.flat_data: list[torch.Tensor] = []  # (padded_numel,) param dtype, one per bucket
         self.flat_grads: list[torch.Tensor | None] = []  # (padded_numel,) full gradients, trainable buckets
-        masters = []
+        fp32_values = []  # (padded_numel,) fp32 each, construction only: what the masters start from
         for fp in self.flat_params:
-            fp32 = fp.new_flat(torch.float32 if fp.dtype.is_floating_point else fp.dtype)
-            fp.copy_params_into(fp32)
-            dtype = policy.param_dtype  # bf16/fp16 params (frozen ones too) under mixed precision
-            data = fp32.to(dtype) if fp32.dtype != dtype else fp32
-            fp.dtype = dtype
-            fp.use_as_param_storage(data)
+            data, fp32 = fp.flatten_params(policy.param_dtype)  # bf16/fp16 params (frozen too) when mixed
             self.flat_data.append(data)
-            masters.append(fp32)
+            fp32_values.append(fp32)
             grad = fp.new_flat() if fp.requires_grad else None
             fp.use_as_grad_storage(grad)
             self.flat_grads.append(grad)
@@ -72,11 +67,9 @@ class DDPEngine(Engine):
             optimizer_cls, optimizer_kwargs,
             param_shards=[self.flat_data[fp.index] for fp in trainable],  # the whole buffer: replicated
             grad_shards=[self.flat_grads[fp.index] for fp in trainable],
-            options=[fp.options for fp in trainable], policy=policy, comm=comm, scaler=scaler)
-        if policy.needs_master:  # masters start from the fp32 values, not their rounded copies
-            for m, fp in zip(self.optimizer.master_shards, trainable):
-                m.copy_(masters[fp.index])
-        del masters
+            options=[fp.options for fp in trainable], policy=policy, comm=comm, scaler=scaler,
+            master_init=[fp32_values[fp.index] for fp in trainable])
+        del fp32_values
         # (padded_numel,) reduce dtype: a bucket's averaged gradient from its hook until step,
         # only when the reduce dtype is not the param dtype (module docstring).
         self.reduced_grads: list[torch.Tensor | None] = [None] * len(self.flat_params)

@@ -73,22 +73,17 @@ class Zero1Engine(Engine):
         self.grad_shards: list[torch.Tensor | None] = []
         # True once a reduce-scatter has overwritten the grad shard since zero_grad.
         self.grad_shard_written: list[bool] = []
-        masters = []
+        fp32_values = []  # (padded_numel,) fp32 each, construction only: what the masters start from
         for fp in self.flat_params:
-            fp32 = fp.new_flat(torch.float32 if fp.dtype.is_floating_point else fp.dtype)
-            fp.copy_params_into(fp32)
-            dtype = policy.param_dtype  # bf16/fp16 params (frozen ones too) under mixed precision
-            data = fp32.to(dtype) if fp32.dtype != dtype else fp32
-            fp.dtype = dtype
-            fp.use_as_param_storage(data)
+            data, fp32 = fp.flatten_params(policy.param_dtype)  # bf16/fp16 params (frozen too) when mixed
             self.flat_data.append(data)
-            masters.append(fp32)
+            fp32_values.append(fp32)
             grad = fp.new_flat() if fp.requires_grad else None
             fp.use_as_grad_storage(grad)
             self.flat_grads.append(grad)
             if grad is None:
                 self.grad_shards.append(None)
-            elif needs_reduce_buffer(dtype, policy.reduce_dtype):
+            elif needs_reduce_buffer(policy.param_dtype, policy.reduce_dtype):
                 self.grad_shards.append(fp.new_flat(policy.reduce_dtype, numel=fp.shard_numel))
             else:
                 self.grad_shards.append(fp.shard_of(grad))
@@ -98,11 +93,9 @@ class Zero1Engine(Engine):
             optimizer_cls, optimizer_kwargs,
             param_shards=[fp.shard_of(self.flat_data[fp.index]) for fp in trainable],  # views: updated in place
             grad_shards=[self.grad_shards[fp.index] for fp in trainable],
-            options=[fp.options for fp in trainable], policy=policy, comm=comm, scaler=scaler)
-        if policy.needs_master:  # masters start from the fp32 values, not their rounded copies
-            for m, fp in zip(self.optimizer.master_shards, trainable):
-                m.copy_(fp.shard_of(masters[fp.index]))
-        del masters
+            options=[fp.options for fp in trainable], policy=policy, comm=comm, scaler=scaler,
+            master_init=[fp.shard_of(fp32_values[fp.index]) for fp in trainable])
+        del fp32_values
         self.in_flight = InFlight()
         self.reduce_buffers: dict[int, list[torch.Tensor]] = {}  # bucket -> its reduce-scatter's transient tensors
         self.gather_inputs: list[torch.Tensor] = []  # (shard_numel,) clones, while all_gather_params runs

@@ -213,10 +213,8 @@ class Zero3Engine(Engine):
             optimizer_cls, optimizer_kwargs,
             param_shards=[self.param_shards[fp.index] for fp in trainable],
             grad_shards=[self.grad_shards[fp.index] for fp in trainable],
-            options=[fp.options for fp in trainable], policy=policy, comm=comm, scaler=scaler)
-        if policy.needs_master:  # masters start from the fp32 values, not their rounded copies
-            for m, fp in zip(self.optimizer.master_shards, trainable):
-                m.copy_(fp32_shards[fp.index])
+            options=[fp.options for fp in trainable], policy=policy, comm=comm, scaler=scaler,
+            master_init=[fp32_shards[fp.index] for fp in trainable])  # not their rounded copies
         del fp32_shards
 
         # CUDA: gathers run on a side stream so they overlap compute; see _issue_gather.
