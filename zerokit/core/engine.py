@@ -20,6 +20,9 @@ from torch import nn
 from zerokit.core.precision import LossScaler, PrecisionPolicy
 
 
+_NORM_CHUNK_NUMEL = 1 << 20  # elements converted to fp64 at a time when summing squares
+
+
 class Engine:
     stage: int = -1
 
@@ -56,24 +59,28 @@ class Engine:
 
     # -- clipping -----------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the global L2 norm of the (unscaled) averaged gradient; return that norm.
+        """Clip by the global L2 norm of the (unscaled) averaged gradient; return that norm (fp32).
 
         Every rank sums squares over *its own range* of each flat gradient (padding is
         zero, a tied parameter is stored once), then one rank-ordered reduction of those
-        scalars gives every rank the same total, whatever the stage. The coefficient is
-        applied while the optimizer forms its master gradients, as torch's
-        clip_grad_norm_ would have scaled the gradients: coef = max_norm / (norm + 1e-6),
-        capped at 1.
+        scalars gives every rank the same total. The squares are summed in fp64, where the
+        square of an fp32 (or bf16/fp16) value is exact and the sum's rounding error
+        (~1e-16 relative) is far below fp32's resolution: the fp32 norm therefore does not
+        depend on how a stage groups elements into buffers and ranks, so clipped runs stay
+        bitwise equal across stages. The coefficient is applied while the optimizer forms
+        its master gradients, as torch's clip_grad_norm_ would have scaled the gradients:
+        coef = max_norm / (norm + 1e-6), capped at 1.
         """
         self.finish_backward()
         shards = self.norm_shards()
         device = shards[0].device if shards else torch.device("cpu")
-        partial = torch.zeros((), dtype=torch.float32, device=device)
-        for g in shards:  # one dot per flat buffer, never a loop over module parameters
-            g32 = g.float()
-            partial += torch.dot(g32, g32)
+        partial = torch.zeros((), dtype=torch.float64, device=device)
+        for g in shards:  # per flat buffer, in chunks: the fp64 copy stays small
+            for chunk in g.split(_NORM_CHUNK_NUMEL):
+                c64 = chunk.double()
+                partial += torch.dot(c64, c64)
         total_sq = self.comm.all_reduce_scalars(partial.reshape(1))[0]
-        norm = total_sq.sqrt()
+        norm = total_sq.sqrt().float()
         if self.scaler is not None:
             norm = norm / self.scaler.scale
         coef = torch.clamp(torch.tensor(float(max_norm), dtype=torch.float32, device=device) / (norm + 1e-6), max=1.0)
