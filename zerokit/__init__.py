@@ -73,7 +73,7 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
           precision: str = "fp32", reduce_dtype: torch.dtype | None = None, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
           wrap=None, prefetch: int = 1, reshard_after_forward: bool = True, group=None, param_groups=None,
           loss_scaler: dict | None = None, ordered_reduction: bool | None = None, comm: Comm | None = None,
-          accumulate: str = "reduce_scatter", **optimizer_kwargs):
+          accumulate: str = "reduce_scatter", max_in_flight: int = 2, **optimizer_kwargs):
     """Wrap `model` for ZeRO stage `stage` (0 = DDP) and build its sharded optimizer.
 
     Every stage takes the same keywords (a stage ignores those it has no use for, such
@@ -89,7 +89,8 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     (for example a simulated rank of a larger world). `accumulate` (stage 2 only): how
     gradients accumulate under `no_sync()` — "reduce_scatter" every micro-step into the
     grad shard (low memory) or "local" full gradients until the last micro-step (less
-    communication); see stages/zero2.py.
+    communication); see stages/zero2.py. `max_in_flight` (stage 2): reduce-scatters left
+    running before a gradient hook waits, which bounds full-size gradient memory.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {sorted(STAGES)}, got {stage!r}")
@@ -101,6 +102,8 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
         raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
     if accumulate not in ("reduce_scatter", "local"):
         raise ValueError(f"accumulate must be 'reduce_scatter' or 'local', got {accumulate!r}")
+    if max_in_flight < 0:
+        raise ValueError(f"max_in_flight must be >= 0, got {max_in_flight}")
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     policy = make_policy(precision, reduce_dtype=reduce_dtype)
@@ -113,7 +116,8 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     engine_cls = getattr(importlib.import_module(module_name), class_name)
     return engine_cls(model, optimizer_cls, optimizer_kwargs, comm=comm, policy=policy, scaler=scaler,
                       bucket_numel=bucket_numel, param_groups=param_groups, wrap=wrap, prefetch=prefetch,
-                      reshard_after_forward=reshard_after_forward, accumulate=accumulate)
+                      reshard_after_forward=reshard_after_forward, accumulate=accumulate,
+                      max_in_flight=max_in_flight)
 
 
 def estimate(num_params, world_size: int, stage: int, precision: str = "bf16", **kwargs):
