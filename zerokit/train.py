@@ -20,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3], help="ZeRO stage (0 = DDP)")
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--reduce-dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="dtype gradients are reduced in (default: the param dtype)")
     p.add_argument("--model", default="small", help="model preset (tiny, small, ...)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-step")
@@ -54,8 +56,8 @@ def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
     def no_decay(name, param):  # biases, norms and embeddings' 1-D params: no weight decay
         return {"weight_decay": 0.0} if param.dim() < 2 else {}
 
-    engine = zk.shard(model, torch.optim.AdamW, stage=cfg["stage"], precision=cfg["precision"], lr=cfg["lr"],
-                      weight_decay=cfg["weight_decay"], bucket_numel=cfg["bucket_numel"], wrap=(Block,),
+    engine = zk.shard(model, torch.optim.AdamW, stage=cfg["stage"], precision=cfg["precision"],
+                      reduce_dtype=cfg.get("reduce_dtype"), lr=cfg["lr"], weight_decay=cfg["weight_decay"], bucket_numel=cfg["bucket_numel"], wrap=(Block,),
                       prefetch=cfg["prefetch"], param_groups=no_decay)
     first_step = 0
     if cfg.get("resume"):
