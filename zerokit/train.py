@@ -57,8 +57,9 @@ def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
         return {"weight_decay": 0.0} if param.dim() < 2 else {}
 
     engine = zk.shard(model, torch.optim.AdamW, stage=cfg["stage"], precision=cfg["precision"],
-                      reduce_dtype=cfg.get("reduce_dtype"), lr=cfg["lr"], weight_decay=cfg["weight_decay"], bucket_numel=cfg["bucket_numel"], wrap=(Block,),
-                      prefetch=cfg["prefetch"], param_groups=no_decay)
+                      reduce_dtype=cfg.get("reduce_dtype"), lr=cfg["lr"], weight_decay=cfg["weight_decay"],
+                      bucket_numel=cfg["bucket_numel"], wrap=(Block,), prefetch=cfg["prefetch"],
+                      param_groups=no_decay)
     first_step = 0
     if cfg.get("resume"):
         meta = engine.load(cfg["resume"])  # raises on every rank for a missing file or another model
