@@ -93,10 +93,18 @@ class Engine:
         return self.comm.stats()
 
     def memory(self) -> dict[str, int]:
-        """This rank's live bytes by category, each storage counted once."""
+        """This rank's live bytes by category, each storage counted once.
+
+        The stage's model states (params, grads, master_params, optimizer_states, and stage
+        3's unsharded buffers while alive) plus "comm_buffers": storage held only to
+        communicate (reduce-dtype copies, all-gather inputs) — 0 between steps. Activations
+        are measured around a forward/backward with core/memory.py's ActivationMeter.
+        """
         seen: set = set()
         out = {}
-        for category, tensors in self.memory_tensors().items():
+        categories = dict(self.memory_tensors())
+        categories["comm_buffers"] = self.comm_buffer_tensors()
+        for category, tensors in categories.items():
             total = 0
             for t in tensors:
                 if t is None:
@@ -118,6 +126,9 @@ class Engine:
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         raise NotImplementedError
+
+    def comm_buffer_tensors(self) -> list[torch.Tensor]:
+        return []
 
     def load_flat_params(self, flats: list[torch.Tensor]) -> None:
         """Write full values into the stage's storage: flats[i] is flat param i's (padded_numel,) fp32 buffer."""
