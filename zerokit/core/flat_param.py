@@ -107,6 +107,13 @@ class FlatParam:
         for view, p in zip(self.views(flat_grad), self.params):
             p.grad = view
 
+    def write_into_state_dict(self, state_dict: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
+        """Put each parameter's values from a (padded_numel,) buffer into `state_dict`, under every
+        name it has (a tied parameter appears under each), as fresh tensors."""
+        for names, view in zip(self.names, self.views(flat)):
+            for name in names:
+                state_dict[name] = view.detach().clone()
+
     def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's range of a (padded_numel,) buffer, as a view: (shard_numel,)."""
         lo, hi = self.shard_range

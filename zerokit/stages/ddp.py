@@ -126,9 +126,7 @@ class DDPEngine(Engine):
         if self.policy.needs_master:
             trainable = [fp for fp in self.flat_params if fp.requires_grad]
             for fp, master in zip(trainable, self.optimizer.master_shards):
-                for names, view in zip(fp.names, fp.views(master)):
-                    for name in names:
-                        sd[name] = view.detach().clone()
+                fp.write_into_state_dict(sd, master)
         return sd
 
     def norm_shards(self) -> list[torch.Tensor]:

@@ -230,9 +230,7 @@ class Zero2Engine(Engine):
             for fp, master_shard in zip(trainable, self.optimizer.master_shards):
                 master = fp.new_flat(torch.float32)  # (padded_numel,) fp32, transient
                 self.comm.all_gather(master, master_shard, phase="state_dict")
-                for names, view in zip(fp.names, fp.views(master)):
-                    for name in names:
-                        sd[name] = view.detach().clone()
+                fp.write_into_state_dict(sd, master)
         return sd
 
     def norm_shards(self) -> list[torch.Tensor]:
