@@ -1,17 +1,58 @@
 """Sharded checkpoints: every rank writes what it owns; any world size, stage or precision reads it back.
 
-A checkpoint is a directory:
+This docstring is the checkpoint contract (format VERSION 2). A checkpoint directory holds
+one committed snapshot and the pointer that names it:
 
-    meta.json                    rank 0: world size, stage, precision, optimizer class and
-                                 hyperparameters per group, loss-scaler state, versions,
-                                 every parameter's names / shape / dtype, the caller's `extra`
-    model.safetensors            rank 0: engine.state_dict(full=True), the unwrapped model's
-                                 keys (fp32 master values where they exist, frozen params and
-                                 buffers as they are); a tied tensor is stored once, under its
-                                 first name, and meta.json's "aliases" maps the other names to it
-    rank{r}-of-{N}.safetensors   rank r: for every trainable flat param, the pieces of rank r's
-                                 range [r * shard_numel, (r + 1) * shard_numel) of the fp32
-                                 master and of each per-element optimizer state
+    current.json                    the commit pointer, written by rank 0 and replaced atomically:
+                                    format, version, "checkpoint" (the committed snapshot's name)
+                                    and meta.json's size and sha256
+    ckpt-<UTC time>-<token>/        one snapshot; never modified once current.json names it
+      meta.json                     rank 0: world size, stage, precision, optimizer class and
+                                    hyperparameters per group, loss-scaler state, versions,
+                                    every parameter's names / shape / dtype, the caller's `extra`,
+                                    and "files": {name: {"bytes", "sha256"}} for every file below
+      model.safetensors             rank 0: engine.state_dict(full=True), the unwrapped model's
+                                    keys (fp32 master values where they exist, frozen params and
+                                    buffers as they are); a tied tensor is stored once, under its
+                                    first name, and meta.json's "aliases" maps the other names to it
+      rank{r}-of-{N}.safetensors    rank r: for every trainable flat param, the pieces of rank r's
+                                    range [r * shard_numel, (r + 1) * shard_numel) of the fp32
+                                    master and of each per-element optimizer state
+
+[Note: checksums]
+Every byte of a checkpoint is checked before a load changes anything: meta.json records the
+size and sha256 of each safetensors file, current.json records meta.json's, and every field of
+current.json is itself validated when read (its format and version, a snapshot name of the
+ckpt-* form that exists, a digest that must match). The digests are plain sha256 of the files'
+bytes, so `sha256sum` checks a copied checkpoint without zerokit. sha256 was measured against
+the other strong stdlib hashes (benchmarks/checksum_cost.py): with the CPU's SHA extensions it
+is the fastest of them; what it costs per GB on save and on load is in
+benchmarks/results/checksum_cost.md.
+
+[Note: the commit protocol]
+`save` is a collective of four small all-gathers; a crash of any rank at any point leaves the
+previous snapshot current and intact:
+
+ 1. agree: every rank's os.path.realpath(directory) is gathered (with rank 0's fresh snapshot
+    name). Different paths raise ValueError on every rank, naming them, before anything is
+    written.
+ 2. create: rank 0 makes <directory>/<snapshot>/; every rank hears whether that worked.
+ 3. write: every rank checks it sees the new snapshot (rank 0 created it, so a rank that does
+    not is on another filesystem: refused), writes and fsyncs its rank file (rank 0 also the
+    model file) and reads it back for size and sha256. The gather of every rank's problems and
+    digests is the agreement that the snapshot is complete; on any problem rank 0 deletes the
+    snapshot and every rank raises, naming the rank and the file.
+ 4. commit: rank 0 writes meta.json (with every digest), fsyncs the snapshot, writes
+    current.json.tmp-<token>, fsyncs it, and os.replace()s it onto current.json: the one commit
+    point. Then it deletes every other ckpt-* snapshot and pointer leftover (the previous
+    checkpoint and those of crashed saves; a failure there is a warning, retried by the next
+    save); every rank hears whether the commit worked.
+
+A reader follows current.json, so it sees the previous snapshot before the os.replace and the
+new one after it, and a snapshot is complete before anything names it: never a mix. A crash
+leaves an uncommitted snapshot behind, which the next successful save removes. One writer per
+directory: two jobs saving into the same directory at once are not supported. A checkpoint of
+format version 1 (files directly in the directory, no checksums) is refused with a message.
 
 [Note: pieces keyed by name and range]
 A flat buffer's layout depends on the world size (padding), the stage (stage 3 groups by
@@ -26,21 +67,31 @@ it and copies those sub-ranges (safetensors reads just the slice). Scalar optimi
 (Adam's `step`) are stored once per piece as 0-dim tensors. At stage 0 every rank holds
 everything, but rank r still writes only range r, so the files are the same size at every stage.
 
-Loading needs no collective but one: every rank reads and checks everything it needs
-first (meta, model file, every rank file's index, its own slices), then one all-gather of
-the verdicts lets every rank raise the same ValueError — naming the file and the parameter —
-before anything is written into the engine and before any later collective could hang.
-Then the stage's `load_flat_params` writes the full values into its own storage (whole
-buffers at stages 0-2, this rank's shards at stage 3), and the masters and optimizer state
-of this rank's range are installed. A rank holds one full fp32 copy of the model while
-loading (4Ψ bytes), the price of reading a plain model file.
+[Note: loading]
+Loading needs one collective. Every rank reads current.json and meta.json (checking meta.json
+against the digest in current.json), checks the model file (every rank reads it whole) and the
+rank files it reads slices of, plus rank file i for every i % world_size == rank, so each file
+is checked by at least one rank without every rank reading every file. Then one all-gather of
+the verdicts, and of which snapshot each rank read, lets every rank raise the same ValueError —
+naming the file (a checksum mismatch, a missing file) or the parameter (another model) —
+before anything is written into the engine and before any later collective could hang; ranks
+that read different snapshots (a save committed during the load, or different checkpoints
+passed) refuse too. Then the stage's `load_flat_params` writes the full values into its own
+storage (whole buffers at stages 0-2, this rank's shards at stage 3), and the masters and
+optimizer state of this rank's range are installed. A rank holds one full fp32 copy of the
+model while loading (4Ψ bytes), the price of reading a plain model file.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
+import secrets
+import shutil
+import time
+import warnings
 from dataclasses import dataclass, field
 
 import safetensors
@@ -48,14 +99,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-__all__ = ["save", "load", "load_full_state_dict", "rank_file", "META_FILE", "MODEL_FILE"]
+__all__ = ["save", "load", "load_full_state_dict", "committed_snapshot", "rank_file", "POINTER_FILE", "META_FILE",
+           "MODEL_FILE"]
 
 FORMAT = "zerokit-checkpoint"
-VERSION = 1
+VERSION = 2  # 1: files directly in the directory, meta.json written last, no checksums
+POINTER_FILE = "current.json"
 META_FILE = "meta.json"
 MODEL_FILE = "model.safetensors"
+HASH = "sha256"
 MASTER = "master"
 _KEY = re.compile(r"^(?P<kind>[^:]+)::(?P<name>.+)::(?P<start>\d+):(?P<end>\d+)$")
+_SNAPSHOT = re.compile(r"^ckpt-\d{8}T\d{6}-[0-9a-f]{12}$")
+_POINTER_LEFTOVER = re.compile(r"^current\.json\.tmp-[0-9a-f]{12}$")
+_READ_CHUNK_BYTES = 8 << 20  # digest buffer: large enough that hashing, not the syscalls, is the cost
 
 
 def rank_file(rank: int, world_size: int) -> str:
@@ -129,70 +186,142 @@ def _state_kinds(engine) -> dict[str, str]:
 
 # ====================================================================== save
 def save(engine, directory: str | os.PathLike, extra: dict | None = None) -> None:
-    """Write a sharded checkpoint of `engine` into `directory`. A collective: every rank calls it.
+    """Write a sharded checkpoint of `engine` into `directory`, atomically. A collective: every rank calls it.
 
     `extra` (JSON-serialisable) is stored in meta.json and handed back by `load` (the
-    training loop's step index, for instance). Raises on every rank if any rank failed
-    to write, naming the file.
+    training loop's step index, for instance). The new snapshot is written beside the
+    directory's current one and becomes current in one step once every rank's files are
+    on disk (see [Note: the commit protocol]); until then, and after any failure or crash,
+    `load` reads the previous checkpoint. Raises ValueError on every rank if the ranks
+    passed different directories (before writing anything) or if any rank failed to write,
+    naming the rank and the file.
     """
+    snapshot = _agree_on_directory(engine, directory)  # 1. agree (all-gather)
     directory = os.fspath(directory)
     engine.finish_backward()
     full = engine.state_dict(full=True)  # a collective at stages 1-3: every rank takes part
+    what = f"cannot save checkpoint {directory}"
+    snapshot_path = os.path.join(directory, snapshot)
+
+    # 2. create: one rank makes the snapshot directory, so a rank that cannot see it is on another filesystem.
     problems: list[str] = []
-    kinds: dict[str, str] = {}
-    try:
-        os.makedirs(directory, exist_ok=True)
-        if engine.rank == 0 and os.path.exists(os.path.join(directory, META_FILE)):
-            # Overwriting: until the new meta.json is written the directory reads as incomplete.
-            os.remove(os.path.join(directory, META_FILE))
-        kinds = _state_kinds(engine)
-        _write_rank_file(engine, directory, kinds, _aliases(engine.module))
-        if engine.rank == 0:
-            _write_model_file(engine, directory, full)
-    except Exception as exc:  # reported to every rank below, never left for a peer to hang on
-        problems.append(f"{type(exc).__name__}: {exc}")
-    _raise_if_any(engine, problems, f"cannot save checkpoint {directory}")
-    # meta.json goes last, once every shard is on disk: a directory without it is incomplete.
     if engine.rank == 0:
         try:
-            stale = re.compile(r"^rank\d+-of-(\d+)\.safetensors$")
-            for entry in os.listdir(directory):  # rank files of an earlier save at another world size
-                m = stale.match(entry)
-                if m and int(m[1]) != engine.world_size:
-                    os.remove(os.path.join(directory, entry))
-            _write_atomic_json(os.path.join(directory, META_FILE), _meta(engine, kinds, extra))
+            os.makedirs(snapshot_path)  # the name is fresh: an existing one would be a bug
         except Exception as exc:
             problems.append(f"{type(exc).__name__}: {exc}")
-    _raise_if_any(engine, problems, f"cannot save checkpoint {directory}")
+    _raise_if_any(engine, problems, what)
+
+    # 3. write: every rank its own files, then the all-gather that agrees the snapshot is complete.
+    records: dict[str, dict] = {}
+    kinds: dict[str, str] = {}
+    try:
+        if not os.path.isdir(snapshot_path):
+            raise OSError(f"{snapshot_path}, just created by rank 0, does not exist on rank {engine.rank}: "
+                          "the checkpoint directory must be on a filesystem every rank shares")
+        kinds = _state_kinds(engine)
+        name = rank_file(engine.rank, engine.world_size)
+        records[name] = _write_rank_file(engine, snapshot_path, kinds, _aliases(engine.module))
+        if engine.rank == 0:
+            records[MODEL_FILE] = _write_model_file(engine, snapshot_path, full)
+    except Exception as exc:  # reported to every rank below, never left for a peer to hang on
+        problems.append(f"{type(exc).__name__}: {exc}")
+    everyone = engine.comm.all_gather_object((problems, records))
+    errors = [f"rank {r}: {msg}" for r, (theirs, _) in enumerate(everyone) for msg in theirs]
+    if errors:
+        if engine.rank == 0:  # every rank has stopped writing: the half-written snapshot can go
+            shutil.rmtree(snapshot_path, ignore_errors=True)
+        _raise(engine, what, errors)
+
+    # 4. commit: rank 0 alone, after every rank's files are on disk.
+    if engine.rank == 0:
+        committed = False
+        try:
+            files = {name: record for _, theirs in everyone for name, record in theirs.items()}
+            meta_record = _write_meta(snapshot_path, _meta(engine, kinds, extra, files))
+            _commit(directory, snapshot, meta_record)
+            committed = True
+            _fsync(directory)  # the rename itself, durable
+            _remove_stale(directory, keep=snapshot)
+        except Exception as exc:
+            problems.append(f"{type(exc).__name__}: {exc}")
+            if not committed:
+                shutil.rmtree(snapshot_path, ignore_errors=True)
+    _raise_if_any(engine, problems, what)
+
+
+def _agree_on_directory(engine, directory) -> str:
+    """All-gather every rank's resolved directory; raise on every rank unless they are equal. Returns rank 0's
+    fresh snapshot name, which every rank then writes into."""
+    try:
+        mine = os.path.realpath(os.fspath(directory))
+    except Exception as exc:  # not a path: still take part in the gather, then fail with everyone
+        mine = exc
+    snapshot = _new_snapshot_name() if engine.rank == 0 else None
+    everyone = engine.comm.all_gather_object((mine, snapshot))
+    bad = [f"rank {r}: {type(p).__name__}: {p}" for r, (p, _) in enumerate(everyone) if isinstance(p, Exception)]
+    if bad:
+        _raise(engine, f"cannot save checkpoint {directory!r}", bad)
+    ranks_of: dict[str, list[int]] = {}
+    for r, (path, _) in enumerate(everyone):
+        ranks_of.setdefault(path, []).append(r)
+    if len(ranks_of) > 1:
+        listing = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {path}"
+                            for path, rs in ranks_of.items())
+        raise ValueError(f"zerokit: cannot save checkpoint: the ranks passed different directories ({listing}) "
+                         f"(raised on rank {engine.rank}, nothing written); every rank must pass the same "
+                         "directory, on a filesystem every rank shares")
+    return everyone[0][1]
+
+
+def _new_snapshot_name() -> str:
+    return f"ckpt-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(6)}"
+
+
+def _raise(engine, what: str, errors: list[str]) -> None:
+    raise ValueError(f"zerokit: {what} (raised on rank {engine.rank}):\n  " + "\n  ".join(errors))
 
 
 def _raise_if_any(engine, problems: list[str], what: str) -> None:
     everyone = engine.comm.all_gather_object(problems)
     errors = [f"rank {r}: {msg}" for r, theirs in enumerate(everyone) for msg in theirs]
     if errors:
-        raise ValueError(f"zerokit: {what} (raised on rank {engine.rank}):\n  " + "\n  ".join(errors))
+        _raise(engine, what, errors)
 
 
-def _save_tensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
-    tmp = path + ".tmp"
+def _digest(path: str) -> dict:
+    """{"bytes", "sha256"} of the file's bytes as they are on disk (read back in chunks: no copy of the file)."""
+    h = hashlib.new(HASH)
+    buffer = bytearray(_READ_CHUNK_BYTES)
+    view = memoryview(buffer)
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            h.update(view[:n])
+            size += n
+    return {"bytes": size, HASH: h.hexdigest()}
+
+
+def _fsync(path: str) -> None:
+    """Flush a file's data, or a directory's entries, to stable storage (the commit must not outrun them)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, path)  # a reader never sees half a file
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> dict:
+    """Write, fsync and digest one safetensors file; return its record for meta.json."""
+    try:
+        save_file(tensors, path, metadata=metadata)
+        _fsync(path)
+        return _digest(path)
     except Exception as exc:
         raise OSError(f"writing {path}: {exc}") from exc
 
 
-def _write_atomic_json(path: str, obj: dict) -> None:
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except Exception as exc:
-        raise OSError(f"writing {path}: {exc}") from exc
-
-
-def _write_rank_file(engine, directory: str, kinds: dict[str, str], aliases: dict[str, str]) -> None:
+def _write_rank_file(engine, directory: str, kinds: dict[str, str], aliases: dict[str, str]) -> dict:
     """This rank's pieces of every trainable flat param: master and optimizer states, by name and range."""
     tensors: dict[str, torch.Tensor] = {}
     state = engine.optimizer.optimizer.state
@@ -211,7 +340,8 @@ def _write_rank_file(engine, directory: str, kinds: dict[str, str], aliases: dic
                 stored = value[a:b] if kind == "elementwise" else value
                 tensors[piece_key(f"state.{key}", name, piece.start, piece.end)] = stored.cpu().clone()
     path = os.path.join(directory, rank_file(engine.rank, engine.world_size))
-    _save_tensors(tensors, path, {"format": FORMAT, "rank": str(engine.rank), "world_size": str(engine.world_size)})
+    return _save_tensors(tensors, path,
+                         {"format": FORMAT, "rank": str(engine.rank), "world_size": str(engine.world_size)})
 
 
 def _aliases(module) -> dict[str, str]:
@@ -226,13 +356,61 @@ def _aliases(module) -> dict[str, str]:
     return out
 
 
-def _write_model_file(engine, directory: str, full: dict[str, torch.Tensor]) -> None:
+def _write_model_file(engine, directory: str, full: dict[str, torch.Tensor]) -> dict:
     aliases = _aliases(engine.module)
     tensors = {k: v.detach().cpu().contiguous() for k, v in full.items() if k not in aliases}
-    _save_tensors(tensors, os.path.join(directory, MODEL_FILE), {"format": FORMAT})
+    return _save_tensors(tensors, os.path.join(directory, MODEL_FILE), {"format": FORMAT})
 
 
-def _meta(engine, kinds: dict[str, str], extra: dict | None) -> dict:
+def _write_meta(snapshot_path: str, meta: dict) -> dict:
+    """Write meta.json, then fsync the snapshot directory (every file's entry); return meta.json's record."""
+    path = os.path.join(snapshot_path, META_FILE)
+    data = json.dumps(meta, indent=1, sort_keys=True).encode()
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync(snapshot_path)
+    except Exception as exc:
+        raise OSError(f"writing {path}: {exc}") from exc
+    return {"bytes": len(data), HASH: hashlib.new(HASH, data).hexdigest()}
+
+
+def _commit(directory: str, snapshot: str, meta_record: dict) -> None:
+    """Make `snapshot` the directory's checkpoint: one os.replace of current.json, the commit point."""
+    pointer = {"format": FORMAT, "version": VERSION, "checkpoint": snapshot, META_FILE: meta_record}
+    path = os.path.join(directory, POINTER_FILE)
+    tmp = f"{path}.tmp-{snapshot[-12:]}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(pointer, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: a reader sees the old pointer or the new one
+    except Exception as exc:
+        raise OSError(f"committing {path}: {exc}") from exc
+
+
+def _remove_stale(directory: str, keep: str) -> None:
+    """Delete the snapshots and pointer leftovers current.json does not name: the previous checkpoint, and
+    whatever crashed saves left. Best effort: the commit has happened; a failure here is only a warning."""
+    for entry in os.listdir(directory):
+        if entry == keep or not (_SNAPSHOT.match(entry) or _POINTER_LEFTOVER.match(entry)):
+            continue
+        path = os.path.join(directory, entry)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+        except OSError as exc:
+            warnings.warn(f"zerokit: could not remove {path}, left by an earlier save ({exc}); the next save "
+                          "tries again", stacklevel=3)
+
+
+def _meta(engine, kinds: dict[str, str], extra: dict | None, files: dict[str, dict]) -> dict:
     optimizer = engine.optimizer.optimizer
     aliases = _aliases(engine.module)
     fp_of_master = {id(m): fp for fp, m in _trainable_with_masters(engine)}
@@ -254,6 +432,8 @@ def _meta(engine, kinds: dict[str, str], extra: dict | None) -> dict:
             params[aliases.get(names[0], names[0])] = {
                 "names": list(names), "shape": list(shape), "dtype": str(fp.dtype).removeprefix("torch."),
                 "requires_grad": fp.requires_grad}
+    expected = {MODEL_FILE} | {rank_file(r, engine.world_size) for r in range(engine.world_size)}
+    assert set(files) == expected, (sorted(files), sorted(expected))
     return {
         "format": FORMAT, "version": VERSION,
         "world_size": engine.world_size, "stage": engine.stage, "precision": engine.policy.name,
@@ -265,6 +445,7 @@ def _meta(engine, kinds: dict[str, str], extra: dict | None) -> dict:
         "params": params,
         "aliases": aliases,
         "extra": extra or {},
+        "files": files,
     }
 
 
@@ -281,26 +462,51 @@ class _Plan:
     hyper: list[dict] = field(default_factory=list)  # per optimizer param group
 
 
+@dataclass(frozen=True)
+class _Snapshot:
+    """The committed snapshot current.json names, with its meta.json read and checked against the pointer."""
+
+    path: str  # <directory>/ckpt-...
+    meta_path: str
+    meta: dict
+    meta_sha256: str  # identifies the checkpoint: equal on every rank that read the same one
+
+
 def load(engine, directory: str | os.PathLike) -> dict:
     """Load a checkpoint written by `save` at any world size, stage or precision; return its meta.
 
     Every rank calls it (one small collective exchanges the verdict). Bad input — a
-    missing file, a different model (names, shapes), another optimizer class — raises
-    ValueError on every rank, naming the file and the parameter, and leaves the engine as
-    it was. Restores parameters, buffers, fp32 masters, optimizer state and numeric
-    hyperparameters (lr, betas, ... as torch's load_state_dict does), and the loss-scaler
-    state; clears gradients.
+    missing or corrupted file (size or sha256 unlike meta.json's record), a checkpoint of
+    another format version, a different model (names, shapes), another optimizer class,
+    ranks that read different checkpoints — raises ValueError on every rank, naming the
+    file and the parameter, and leaves the engine as it was. Restores parameters,
+    buffers, fp32 masters, optimizer state and numeric hyperparameters (lr, betas, ... as
+    torch's load_state_dict does), and the loss-scaler state; clears gradients.
     """
     directory = os.fspath(directory)
     engine.finish_backward()
-    plan, problems = None, []
+    plan, snapshot, problems = None, None, []
     try:
-        plan = _read(engine, directory)
+        plan, snapshot = _read(engine, directory)
     except Exception as exc:  # every rank must hear about it before anyone moves on
         problems.append(f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc))
-    _raise_if_any(engine, problems, f"cannot load checkpoint {directory}")
+    what = f"cannot load checkpoint {directory}"
+    everyone = engine.comm.all_gather_object((problems, snapshot and (snapshot.path, snapshot.meta_sha256)))
+    errors = [f"rank {r}: {msg}" for r, (theirs, _) in enumerate(everyone) for msg in theirs]
+    if not errors and len({sha for _, (_, sha) in everyone}) > 1:
+        errors = [f"rank {r} read {path} (meta.json sha256 {sha[:12]}...)" for r, (_, (path, sha)) in
+                  enumerate(everyone)]
+        errors.append("the ranks read different checkpoints (different directories, or a save committed during "
+                      "the load): every rank must load the same one")
+    if errors:
+        _raise(engine, what, errors)
     _install(engine, plan)
     return plan.meta
+
+
+def committed_snapshot(directory: str | os.PathLike) -> str:
+    """The path of the snapshot `directory`'s current.json names (its meta.json checked). No process group."""
+    return _open_checkpoint(os.fspath(directory)).path
 
 
 def _read_json(path: str) -> dict:
@@ -309,6 +515,89 @@ def _read_json(path: str) -> dict:
             return json.load(f)
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: cannot read it ({exc})") from exc
+
+
+def _is_record(record) -> bool:
+    """A file's {"bytes": int, "sha256": 64 hex digits} record, exactly."""
+    return (isinstance(record, dict) and set(record) == {"bytes", HASH}
+            and isinstance(record["bytes"], int) and not isinstance(record["bytes"], bool) and record["bytes"] >= 0
+            and isinstance(record[HASH], str) and re.fullmatch(r"[0-9a-f]{64}", record[HASH]) is not None)
+
+
+def _check_record(path: str, actual: dict, expected: dict, recorded_in: str) -> None:
+    if actual["bytes"] != expected["bytes"]:
+        raise ValueError(f"{path}: {actual['bytes']} bytes on disk, {expected['bytes']} recorded in {recorded_in}; "
+                         "the file is truncated or was changed after the save")
+    if actual[HASH] != expected[HASH]:
+        raise ValueError(f"{path}: {HASH} checksum mismatch ({actual[HASH]} on disk, {expected[HASH]} recorded in "
+                         f"{recorded_in}); the file is corrupted or was changed after the save")
+
+
+def _verify_file(path: str, expected: dict, recorded_in: str) -> None:
+    """Refuse a file whose size or sha256 differs from its record (size first: it costs no read)."""
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        raise ValueError(f"{path} is missing: {recorded_in} lists it, and every file of a checkpoint is needed") \
+            from None
+    if size != expected["bytes"]:
+        _check_record(path, {"bytes": size, HASH: ""}, expected, recorded_in)
+    _check_record(path, _digest(path), expected, recorded_in)
+
+
+def _open_checkpoint(directory: str) -> _Snapshot:
+    """Follow current.json to the committed snapshot; read its meta.json and check it against the pointer."""
+    pointer_path = os.path.join(directory, POINTER_FILE)
+    if not os.path.isfile(pointer_path):
+        _refuse_without_pointer(directory, pointer_path)
+    pointer = _read_json(pointer_path)
+    if not isinstance(pointer, dict) or pointer.get("format") != FORMAT:
+        raise ValueError(f"{pointer_path}: not a zerokit checkpoint pointer")
+    if pointer.get("version") != VERSION:
+        raise ValueError(f"{pointer_path}: checkpoint format version {pointer.get('version')!r}; this zerokit reads "
+                         f"version {VERSION}")
+    name, record = pointer.get("checkpoint"), pointer.get(META_FILE)
+    if not isinstance(name, str) or _SNAPSHOT.match(name) is None:
+        raise ValueError(f"{pointer_path}: 'checkpoint' is {name!r}, not a snapshot name ckpt-<UTC time>-<token>")
+    if not _is_record(record) or set(pointer) != {"format", "version", "checkpoint", META_FILE}:
+        raise ValueError(f"{pointer_path}: malformed (expected format, version, checkpoint and {META_FILE}'s bytes "
+                         f"and {HASH})")
+    path = os.path.join(directory, name)
+    meta_path = os.path.join(path, META_FILE)
+    try:
+        with open(meta_path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ValueError(f"{meta_path}: cannot read it ({exc}); {pointer_path} names this snapshot as the "
+                         "committed checkpoint") from exc
+    _check_record(meta_path, {"bytes": len(data), HASH: hashlib.new(HASH, data).hexdigest()}, record, pointer_path)
+    meta = json.loads(data)  # its digest matched: it is the meta.json the save wrote
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(f"{meta_path}: format {meta.get('format')!r} version {meta.get('version')!r}, "
+                         f"expected {FORMAT!r} version {VERSION}")
+    expected = {MODEL_FILE} | {rank_file(r, meta["world_size"]) for r in range(meta["world_size"])}
+    files = meta.get("files", {})
+    if set(files) != expected or not all(_is_record(r) for r in files.values()):
+        raise ValueError(f"{meta_path}: its file list {sorted(files)} is not {sorted(expected)} with sizes and "
+                         f"{HASH} digests")
+    return _Snapshot(path, meta_path, meta, record[HASH])
+
+
+def _refuse_without_pointer(directory: str, pointer_path: str) -> None:
+    """No current.json: say whether this is an old-format checkpoint, a snapshot, or no checkpoint at all."""
+    meta_path = os.path.join(directory, META_FILE)
+    if not os.path.isfile(meta_path):
+        raise ValueError(f"{pointer_path} is missing: {directory} holds no committed zerokit checkpoint (not a "
+                         "checkpoint directory, or its first save did not finish)")
+    meta = _read_json(meta_path)
+    version = meta.get("version") if isinstance(meta, dict) else None
+    parent = os.path.dirname(os.path.abspath(directory))
+    if version == VERSION and os.path.isfile(os.path.join(parent, POINTER_FILE)):
+        raise ValueError(f"{directory} is one snapshot inside the checkpoint directory {parent}: pass {parent}, "
+                         f"whose {POINTER_FILE} names the committed snapshot")
+    raise ValueError(f"{meta_path}: a zerokit checkpoint of format version {version!r} without {POINTER_FILE}; "
+                     f"this zerokit reads format version {VERSION} (a committed snapshot, every file checksummed) "
+                     "only: load it with the zerokit that wrote it and save it again")
 
 
 @contextlib.contextmanager
@@ -322,23 +611,40 @@ def _open_safetensors(path: str):
         yield f
 
 
-def _read(engine, directory: str) -> _Plan:
-    meta_path = os.path.join(directory, META_FILE)
-    if not os.path.isfile(meta_path):
-        raise ValueError(f"{meta_path} is missing: not a zerokit checkpoint, or its save did not finish")
-    meta = _read_json(meta_path)
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise ValueError(f"{meta_path}: format {meta.get('format')!r} version {meta.get('version')!r}, "
-                         f"expected {FORMAT!r} version {VERSION}")
+def _read(engine, directory: str) -> tuple[_Plan, _Snapshot]:
+    snapshot = _open_checkpoint(directory)
+    meta, meta_path = snapshot.meta, snapshot.meta_path
     mine = _optimizer_name(engine.optimizer.optimizer)
     if meta["optimizer"]["class"] != mine:
         raise ValueError(f"{meta_path}: the checkpoint's optimizer is {meta['optimizer']['class']}, this engine's "
                          f"is {mine}; build the engine with the same optimizer class")
+    checked: set[str] = set()
+
+    def verify(name: str) -> None:
+        if name not in checked:
+            _verify_file(os.path.join(snapshot.path, name), meta["files"][name], meta_path)
+            checked.add(name)
+
+    # See [Note: loading]: the model file (read whole), rank files i = rank (mod world size), and below
+    # the rank files this rank reads slices of; the verdict gather in `load` makes every rank hear of any.
+    n_saved = int(meta["world_size"])
+    verify(MODEL_FILE)
+    for r in range(engine.rank, n_saved, engine.world_size):
+        verify(rank_file(r, n_saved))
     plan = _Plan(meta)
-    _read_model_file(engine, directory, meta, plan)
-    _read_rank_files(engine, directory, meta, plan)
+    _read_model_file(engine, snapshot.path, meta, plan)
+    try:
+        used = _read_rank_files(engine, snapshot.path, meta, plan)
+    except Exception:
+        # Every rank opens every rank file's header; one another rank checks may be what broke
+        # the read: name the corruption rather than its symptom.
+        for r in range(n_saved):
+            verify(rank_file(r, n_saved))
+        raise
+    for r in sorted(used):
+        verify(rank_file(r, n_saved))
     plan.hyper = _match_hyperparameters(engine, meta)
-    return plan
+    return plan, snapshot
 
 
 def _read_model_file(engine, directory: str, meta: dict, plan: _Plan) -> None:
@@ -377,13 +683,17 @@ def _read_model_file(engine, directory: str, meta: dict, plan: _Plan) -> None:
                 plan.buffers[name] = get(name)
 
 
-def _read_rank_files(engine, directory: str, meta: dict, plan: _Plan) -> None:
-    """Assemble this rank's masters and optimizer states from whichever saved pieces overlap them."""
+def _read_rank_files(engine, directory: str, meta: dict, plan: _Plan) -> set[int]:
+    """Assemble this rank's masters and optimizer states from whichever saved pieces overlap them.
+
+    Returns the saved ranks whose files it read tensor data from (every file's header is read).
+    """
     n_saved = int(meta["world_size"])
     kinds: dict[str, str] = meta["optimizer"]["state"]
     aliases = meta["aliases"]
     index: dict[tuple[str, str], list[tuple[int, int, int, str]]] = {}  # (kind, name) -> [(start, end, r, key)]
     paths = [os.path.join(directory, rank_file(r, n_saved)) for r in range(n_saved)]
+    used: set[int] = set()
     with contextlib.ExitStack() as stack:
         files = []
         for r, path in enumerate(paths):
@@ -425,10 +735,10 @@ def _read_rank_files(engine, directory: str, meta: dict, plan: _Plan) -> None:
                 at = lo - base  # ... and where it sits in the master
                 name = aliases.get(fp.names[i][0], fp.names[i][0])
                 pieces = index.get((MASTER, name), [])
-                _fill(values[at:at + b - a], pieces, a, b, files, paths, name, MASTER)
+                used |= _fill(values[at:at + b - a], pieces, a, b, files, paths, name, MASTER)
                 for key, tensor in states.items():
-                    _fill(tensor[at:at + b - a], index.get((f"state.{key}", name), []), a, b, files, paths, name,
-                          f"state.{key}")
+                    used |= _fill(tensor[at:at + b - a], index.get((f"state.{key}", name), []), a, b, files, paths,
+                                  name, f"state.{key}")
                 if scalar_source is None:
                     scalar_source = next((pc for pc in pieces if pc[0] < b and pc[1] > a), None)
             scalar_source = scalar_source or first_master_piece
@@ -437,6 +747,7 @@ def _read_rank_files(engine, directory: str, meta: dict, plan: _Plan) -> None:
                     if scalar_source is None:
                         raise ValueError(f"{paths[0]}: no piece to take optimizer state {key!r} from")
                     _s, _e, r, master_key = scalar_source
+                    used.add(r)
                     state_key = f"state.{key}" + master_key[len(MASTER):]  # same name and range
                     try:
                         states[key] = files[r].get_tensor(state_key)
@@ -444,11 +755,13 @@ def _read_rank_files(engine, directory: str, meta: dict, plan: _Plan) -> None:
                         raise ValueError(f"{paths[r]}: optimizer state {state_key!r} is missing ({exc})") from exc
             plan.masters.append(values)
             plan.states.append(states)
+    return used
 
 
-def _fill(out: torch.Tensor, pieces: list, a: int, b: int, files, paths, name: str, kind: str) -> None:
-    """out[:] = elements [a, b) of `name`'s `kind`, copied from the overlapping saved pieces."""
+def _fill(out: torch.Tensor, pieces: list, a: int, b: int, files, paths, name: str, kind: str) -> set[int]:
+    """out[:] = elements [a, b) of `name`'s `kind`, copied from the overlapping saved pieces; returns their ranks."""
     covered = torch.zeros(b - a, dtype=torch.bool)
+    used = set()
     for start, end, r, key in pieces:
         lo, hi = max(a, start), min(b, end)
         if lo >= hi:
@@ -456,11 +769,13 @@ def _fill(out: torch.Tensor, pieces: list, a: int, b: int, files, paths, name: s
         sl = files[r].get_slice(key)
         out[lo - a:hi - a] = sl[lo - start:hi - start]  # reads only this sub-range from disk
         covered[lo - a:hi - a] = True
+        used.add(r)
     if not bool(covered.all()):
         first = int((~covered).nonzero()[0]) + a
         raise ValueError(f"{kind} of parameter {name!r}: elements [{a}, {b}) are not all in the rank files "
                          f"({os.path.dirname(paths[0])}/rank*-of-{len(paths)}.safetensors); element {first} is "
                          "missing")
+    return used
 
 
 def _match_hyperparameters(engine, meta: dict) -> list[dict]:
@@ -510,18 +825,18 @@ def _install(engine, plan: _Plan) -> None:
 
 
 def load_full_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The plain, unsharded state_dict a checkpoint holds (every key, aliases expanded). No process group."""
-    directory = os.fspath(directory)
-    meta_path, path = os.path.join(directory, META_FILE), os.path.join(directory, MODEL_FILE)
-    for p in (meta_path, path):
-        if not os.path.isfile(p):
-            raise ValueError(f"{p} is missing: not a complete zerokit checkpoint")
-    meta = _read_json(meta_path)
+    """The plain, unsharded state_dict a checkpoint holds (every key, aliases expanded). No process group.
+
+    Reads the committed snapshot's meta.json and model file, both checked against their sha256.
+    """
+    snapshot = _open_checkpoint(os.fspath(directory))
+    path = os.path.join(snapshot.path, MODEL_FILE)
+    _verify_file(path, snapshot.meta["files"][MODEL_FILE], snapshot.meta_path)
     out: dict[str, torch.Tensor] = {}
     with _open_safetensors(path) as f:
         for key in f.keys():
             out[key] = f.get_tensor(key)
-    for alias, target in meta["aliases"].items():
+    for alias, target in snapshot.meta["aliases"].items():
         if target not in out:
             raise ValueError(f"{path}: {alias!r} is an alias of {target!r}, which the file does not hold")
         out[alias] = out[target]

@@ -21,6 +21,7 @@ from torch import nn
 
 import zerokit as zk
 from common import OddBlock, odd_batch, odd_model
+from zerokit.checkpoint import committed_snapshot
 from zerokit.launch import run_ranks
 
 K, M = 3, 3  # steps before the save, steps after it
@@ -150,7 +151,8 @@ def _cases_ws2(rank, world_size, root):
             scaler_saved=at_save["scaler"], scaler_loaded=loaded["scaler"],
             losses=(cont[0], after[0]), scales=(cont[1], after[1]),
             param_mismatch=_equal_dicts(_params(resumed), uninterrupted[key]["params"]),
-            extra=meta["extra"], files=sorted(os.listdir(directory)))
+            extra=meta["extra"], top=sorted(os.listdir(directory)),
+            files=sorted(os.listdir(committed_snapshot(directory))))
         if rank == 0 and key == (3, "bf16", "adamw"):
             out["bf16_stage3_state_dict"] = at_save["params"]
 
@@ -178,7 +180,7 @@ def _cases_ws2(rank, world_size, root):
     broken = os.path.join(root, "missing-rank-file")
     if rank == 0:
         shutil.copytree(good, broken)
-        os.remove(os.path.join(broken, "rank1-of-2.safetensors"))
+        os.remove(os.path.join(committed_snapshot(broken), "rank1-of-2.safetensors"))
     torch.distributed.barrier()
     engine = _engine(1, seed=1)
     before = _params(engine)
@@ -250,6 +252,7 @@ def test_resume_at_same_world_size_and_stage_is_bitwise(ws2, case):
         assert got["scales"][0] == got["scales"][1], (r, got["scales"])
         assert got["param_mismatch"] == [], (r, got["param_mismatch"])
         assert got["extra"] == {"step": K}
+        assert len(got["top"]) == 2 and got["top"][1] == "current.json", got["top"]  # the pointer and one snapshot
         assert got["files"] == ["meta.json", "model.safetensors", "rank0-of-2.safetensors", "rank1-of-2.safetensors"]
         expected_keys = {"adamw": ["exp_avg", "exp_avg_sq", "step"], "sgd": ["momentum_buffer"]}[case[2]]
         assert got["opt_keys"] == expected_keys, got["opt_keys"]
@@ -307,7 +310,7 @@ def test_consolidate_script_writes_the_full_state_dict(ws2, root, tmp_path):
     assert _equal_dicts(load_file(str(out)), ws2[0]["bf16_stage3_state_dict"]) == []
     missing = subprocess.run([sys.executable, script, str(tmp_path / "nowhere"), str(out)],
                              capture_output=True, text=True, timeout=60)
-    assert missing.returncode == 2 and "meta.json is missing" in missing.stderr
+    assert missing.returncode == 2 and "current.json is missing" in missing.stderr
 
 
 def test_bad_checkpoints_raise_on_every_rank_naming_file_and_parameter(ws2):
@@ -321,7 +324,7 @@ def test_bad_checkpoints_raise_on_every_rank_naming_file_and_parameter(ws2):
             and "blocks.2.fc1.weight" in e["extra_block"], e["extra_block"]
         assert e["shape"] is not None and "'gain'" in e["shape"] and "(2,)" in e["shape"], e["shape"]
         assert e["optimizer"] is not None and "AdamW" in e["optimizer"] and "SGD" in e["optimizer"], e["optimizer"]
-        assert e["no_meta"] is not None and "meta.json is missing" in e["no_meta"], e["no_meta"]
+        assert e["no_meta"] is not None and "current.json is missing" in e["no_meta"], e["no_meta"]
 
 
 def test_train_save_then_resume_continues_the_step_count_and_the_losses(ws2):
