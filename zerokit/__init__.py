@@ -73,7 +73,8 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
           precision: str = "fp32", reduce_dtype: torch.dtype | None = None, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
           wrap=None, prefetch: int = 1, reshard_after_forward: bool = True, group=None, param_groups=None,
           loss_scaler: dict | None = None, ordered_reduction: bool | None = None, comm: Comm | None = None,
-          accumulate: str = "reduce_scatter", max_in_flight: int = 2, **optimizer_kwargs):
+          accumulate: str = "reduce_scatter", max_in_flight: int = 2, cast_inputs: bool = True,
+          **optimizer_kwargs):
     """Wrap `model` for ZeRO stage `stage` (0 = DDP) and build its sharded optimizer.
 
     Every stage takes the same keywords (a stage ignores those it has no use for, such
@@ -91,6 +92,10 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     grad shard (low memory) or "local" full gradients until the last micro-step (less
     communication); see stages/zero2.py. `max_in_flight` (stage 2): reduce-scatters left
     running before a gradient hook waits, which bounds full-size gradient memory.
+    `cast_inputs` (bf16/fp16): floating-point tensors among the arguments of `engine(...)`,
+    nested in lists, tuples and dicts, are cast to the param dtype, as torch FSDP's mixed
+    precision does; integer and bool tensors are untouched, and the output stays in the
+    param dtype (see core/precision.py). False passes inputs as they are.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {sorted(STAGES)}, got {stage!r}")
@@ -117,7 +122,7 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     return engine_cls(model, optimizer_cls, optimizer_kwargs, comm=comm, policy=policy, scaler=scaler,
                       bucket_numel=bucket_numel, param_groups=param_groups, wrap=wrap, prefetch=prefetch,
                       reshard_after_forward=reshard_after_forward, accumulate=accumulate,
-                      max_in_flight=max_in_flight)
+                      max_in_flight=max_in_flight, cast_inputs=bool(cast_inputs))
 
 
 def estimate(num_params, world_size: int, stage: int, precision: str = "bf16", **kwargs):

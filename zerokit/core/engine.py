@@ -1,7 +1,8 @@
 """What every stage's engine shares and no stage differs in.
 
-Calling the wrapped model, scaling the loss for fp16, the `no_sync` switch, global
-gradient-norm clipping over shards, and the ledgers (`comm_stats`, `memory`). Each stage
+Calling the wrapped model (with mixed precision's input cast), scaling the loss for fp16,
+the `no_sync` switch, `summon_full_params` (stage 3 overrides it; params are whole below),
+global gradient-norm clipping over shards, and the ledgers (`comm_stats`, `memory`). Each stage
 file subclasses `Engine` directly (no stage inherits from another) and implements, in
 this order: construction (partition), the bucket hook, the end of backward, `step`,
 `zero_grad`, `state_dict`, and `memory_tensors` (what it holds, by category), and last
@@ -13,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Iterator
 
 import torch
 from torch import nn
 
-from zerokit.core.precision import LossScaler, PrecisionPolicy
+from zerokit.core.precision import LossScaler, PrecisionPolicy, cast_floating_tensors
 
 
 _NORM_CHUNK_NUMEL = 1 << 20  # elements converted to fp64 at a time when summing squares
@@ -26,16 +28,27 @@ _NORM_CHUNK_NUMEL = 1 << 20  # elements converted to fp64 at a time when summing
 class Engine:
     stage: int = -1
 
-    def __init__(self, module: nn.Module, comm, policy: PrecisionPolicy, scaler: LossScaler | None):
+    def __init__(self, module: nn.Module, comm, policy: PrecisionPolicy, scaler: LossScaler | None,
+                 cast_inputs: bool = True):
         self.module = module
         self.comm = comm
         self.policy = policy
         self.scaler = scaler
         self.rank, self.world_size = comm.rank, comm.world_size
         self.sync_gradients = True  # False inside no_sync(): accumulate locally, no communication
+        # bf16/fp16: floating-point forward inputs are cast to the param dtype (None: no cast).
+        self.input_dtype = policy.param_dtype if cast_inputs and policy.needs_master else None
 
     # -- running the model ------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        """Run the wrapped model (every stage's forward, stage 3's root hooks included, starts here).
+
+        Under bf16/fp16 (unless `cast_inputs=False`) floating-point tensors among the
+        arguments, however nested, are cast to the param dtype first; integer and bool
+        tensors are left alone; the output is not cast back (core/precision.py, item 5).
+        """
+        if self.input_dtype is not None:
+            args, kwargs = cast_floating_tensors((args, kwargs), self.input_dtype)
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -43,6 +56,27 @@ class Engine:
         if self.scaler is not None:
             loss = loss * self.scaler.scale
         loss.backward()
+
+    @contextlib.contextmanager
+    def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
+        """Every parameter whole inside the block: already so at stages 0-2 (stage 3 gathers).
+
+        So code written for stage 3 (evaluation, inspection, initialisation) runs unchanged
+        at every stage, at any point of a step. With `writeback` under bf16/fp16, an element
+        of this rank's range whose low-precision value changed inside the block is copied
+        into the fp32 master, which the next step would otherwise write over it (a
+        (shard_numel,) param-dtype snapshot per flat buffer is held meanwhile); under fp32
+        the master is the param itself. Make the same change on every rank.
+        `writeback=False` promises the block only reads.
+        """
+        shards, masters = self.optimizer.param_shards, self.optimizer.master_shards
+        track = writeback and self.policy.needs_master
+        before = [p.clone() for p in shards] if track else []  # (shard_numel,) param dtype each
+        try:
+            yield
+        finally:
+            for old, new, master in zip(before, shards, masters):
+                master.copy_(torch.where(new != old, new.to(master.dtype), master))
 
     @contextlib.contextmanager
     def no_sync(self):

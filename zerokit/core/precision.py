@@ -14,6 +14,13 @@ The lecture's recipe (Micikevicius et al. 2018) in zerokit's vocabulary:
    scale before the update; a step whose gradients hold inf/nan is skipped and the scale
    backs off. bf16 has fp32's 8 exponent bits, so it needs no scaler.
 
+5. The forward inputs: floating-point tensors among the root call's arguments are cast to
+   `param_dtype` (`cast_floating_tensors`), as torch FSDP's mixed precision does, so a model
+   fed fp32 data (`torch.randn`) computes in bf16/fp16 without a dtype mismatch in its first
+   matmul; integer and bool tensors (token ids, masks) are left alone. The output is whatever
+   the module computes: param-dtype activations (bf16 logits, a bf16 loss) — nothing is cast
+   back. `zk.shard(..., cast_inputs=False)` turns the cast off.
+
 This module is pure: no process group. The engine computes `has_inf_or_nan` over its local
 gradients, does one all-reduce (MAX) of that flag so every rank agrees, and then calls
 `LossScaler.update(found_overflow)` with the same value on every rank, which keeps the scale
@@ -21,13 +28,15 @@ identical everywhere without ever communicating it.
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-__all__ = ["PRECISIONS", "PrecisionPolicy", "make_policy", "LossScaler", "make_loss_scaler", "has_inf_or_nan"]
+__all__ = ["PRECISIONS", "PrecisionPolicy", "make_policy", "LossScaler", "make_loss_scaler", "has_inf_or_nan",
+           "cast_floating_tensors"]
 
 # name -> dtype the params (and by default gradients) live in.
 PRECISIONS: dict[str, torch.dtype] = {
@@ -254,3 +263,24 @@ def has_inf_or_nan(tensors: list[torch.Tensor]) -> torch.Tensor:
     device = tensors[0].device
     largest = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]).max()
     return (~torch.isfinite(largest)).to(torch.float32)
+
+
+def cast_floating_tensors(obj: Any, dtype: torch.dtype) -> Any:
+    """`obj` with every floating-point tensor inside it cast to `dtype` (item 5 of the module docstring).
+
+    Walks tensors nested in lists, tuples (namedtuples keep their type) and dicts (their type
+    kept too); integer, bool and complex tensors and non-tensor leaves come back as they are.
+    The cast is differentiable, so an input that requires grad gets its gradient in its own dtype.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(cast_floating_tensors(item, dtype) for item in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cast_floating_tensors(item, dtype) for item in obj)
+    if isinstance(obj, dict):
+        out = copy.copy(obj)  # OrderedDict, defaultdict, ... keep their type and extras
+        for key, value in obj.items():
+            out[key] = cast_floating_tensors(value, dtype)
+        return out
+    return obj

@@ -47,8 +47,8 @@ class DDPEngine(Engine):
 
     # 1. construct ------------------------------------------------------------------
     def __init__(self, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *, comm, policy, scaler,
-                 bucket_numel: int, param_groups=None, **_unused):
-        super().__init__(module, comm, policy, scaler)
+                 bucket_numel: int, param_groups=None, cast_inputs: bool = True, **_unused):
+        super().__init__(module, comm, policy, scaler, cast_inputs=cast_inputs)
         infos = check_module(module, comm, self.stage, param_groups)
         broadcast_module_state(module, comm)
         self.flat_params: list[FlatParam] = build_flat_params(infos, self.world_size, self.rank, bucket_numel)

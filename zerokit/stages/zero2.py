@@ -82,12 +82,12 @@ class Zero2Engine(Engine):
     # 1. construct ------------------------------------------------------------------
     def __init__(self, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *, comm, policy, scaler,
                  bucket_numel: int, param_groups=None, accumulate: str = "reduce_scatter", max_in_flight: int = 2,
-                 **_unused):
+                 cast_inputs: bool = True, **_unused):
         if accumulate not in ACCUMULATE_POLICIES:
             raise ValueError(f"accumulate must be one of {ACCUMULATE_POLICIES}, got {accumulate!r} (rank {comm.rank})")
         if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 0:
             raise ValueError(f"max_in_flight must be an int >= 0, got {max_in_flight!r} (rank {comm.rank})")
-        super().__init__(module, comm, policy, scaler)
+        super().__init__(module, comm, policy, scaler, cast_inputs=cast_inputs)
         self.accumulate = accumulate
         self.max_in_flight = max_in_flight
         infos = check_module(module, comm, self.stage, param_groups)

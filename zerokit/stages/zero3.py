@@ -164,8 +164,8 @@ class Zero3Engine(Engine):
     # 1. construct ------------------------------------------------------------------
     def __init__(self, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *, comm, policy, scaler,
                  param_groups=None, wrap: WrapPolicy = None, prefetch: int = 1, reshard_after_forward: bool = True,
-                 **_unused):
-        super().__init__(module, comm, policy, scaler)
+                 cast_inputs: bool = True, **_unused):
+        super().__init__(module, comm, policy, scaler, cast_inputs=cast_inputs)
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
         matches = _wrap_matcher(wrap)
@@ -552,10 +552,12 @@ class Zero3Engine(Engine):
 
         Trainable parameters come from the fp32 masters where they exist (as at stage 0),
         frozen ones in the param dtype; buffers are replicated and copied as they are.
+        Only the shards and masters are read (gathered into fresh buffers), never a unit's
+        unsharded storage, so it works at any point of a step: between forward and backward
+        the units the step gathered stay gathered for backward.
         """
         if not full:
             raise ValueError("Zero3Engine.state_dict supports full=True only; use engine.save() for shards")
-        self.finish_backward()
         masters = dict(zip([fp.index for fp in self.flat_params if fp.requires_grad], self.optimizer.master_shards))
         values: dict[int, torch.Tensor] = {}
         for fp in self.flat_params:
@@ -571,15 +573,21 @@ class Zero3Engine(Engine):
 
     @contextlib.contextmanager
     def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
-        """Every parameter whole, outside forward (evaluation, initialisation, inspection). A collective.
+        """Every parameter whole inside the block (evaluation, initialisation, inspection). A collective.
 
-        Changes made inside the block are written back into this rank's shards on exit (and
-        into the fp32 masters, for the elements whose low-precision value changed, so the
-        untouched ones keep their full precision). Make the same change on every rank.
+        Works at any point of a step. A unit the step has gathered (between forward and
+        backward: the root, units kept by reshard_after_forward=False, a prefetched one) is
+        used as it is and stays gathered afterwards, in the same storage, so the views
+        autograd saved from it stay valid for backward; every other unit is gathered for
+        the block and freed after it. With `writeback`, changes made inside the block are
+        written back into this rank's shards on exit (and into the fp32 masters, for the
+        elements whose low-precision value changed, so the untouched ones keep their full
+        precision). Make the same change on every rank. `writeback=False` promises the
+        block only reads.
         """
-        self.finish_backward()
+        was_gathered = [unit.state is not UnitState.SHARDED for unit in self.units]
         for unit in self.units:
-            self._unshard(unit, "summon")
+            self._unshard(unit, "summon")  # a prefetch in flight completes here; it stays gathered
         try:
             yield
         finally:
@@ -594,8 +602,9 @@ class Zero3Engine(Engine):
                         changed = new != old
                         master.copy_(torch.where(changed, new.to(master.dtype), master))
                     old.copy_(new)
-            for unit in self.units:
-                self._reshard(unit)
+            for unit, keep in zip(self.units, was_gathered):
+                if not keep:
+                    self._reshard(unit)
 
     def norm_shards(self) -> list[torch.Tensor]:
         return [self.grad_shards[fp.index] for fp in self.flat_params if fp.requires_grad]
