@@ -16,12 +16,18 @@ STEPS, BATCH = 6, 3
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
     "sgd_momentum": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+    "sgd": (torch.optim.SGD, dict(lr=0.1)),  # the update is lr x gradient: see DDP_ATOL
 }
 # At world size >= 3 torch DDP's ring all-reduce adds the ranks' contributions in an order
 # that depends on the element's position, zerokit in rank order; each averaged gradient may
-# differ in its last bit (~6e-8 relative), and after a few Adam steps on O(1) weights that
-# shows up as parameter differences of a few 1e-7. 1e-5 is two orders above what we observe
-# and far below any real bug (a wrong scale or a missing bucket moves weights by ~1e-3).
+# differ in its last bit (~6e-8 relative). After 6 steps on O(1) weights that is a few 1e-7
+# (observed <= 2.4e-7 against DDP, <= 4.8e-7 against one process on the global batch).
+# 1e-5 is 20x above that. What it catches depends on the optimizer: AdamW divides each
+# update by the gradient's own running RMS, so it is nearly blind to a gradient-scale bug.
+# Measured by injecting a 1/(N+1) averaging bug (every stage's grad_reduce_input dividing by
+# N + 1), 6 steps: AdamW moves weights by only 3.6e-7 (N = 3) and 5.1e-6 (N = 4), inside
+# DDP_ATOL; plain SGD at lr 0.1 by 7.7e-2 and 5.0e-2 (5,000x DDP_ATOL), SGD with momentum
+# by 0.34 and 0.35. So the SGD variants carry the averaging check; AdamW checks the rest.
 DDP_ATOL = 1e-5
 
 
