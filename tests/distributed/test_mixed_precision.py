@@ -1,33 +1,24 @@
-"""Mixed precision at stages 0-2 (and 3 when present): fp32 master weights, the loss scaler, overflow skipping.
+"""Mixed precision at every stage: fp32 master weights, the unscaled master gradient, overflow skipping.
 
 Every stage under bf16/fp16 equals zerokit's stage 0 under the same precision bit for
 bit (same flat layout, same rank-ordered reduction, same master-update recipe), and
-tracks the fp32 run within the tolerance bf16/fp16 rounding allows.
+tracks the fp32 run within the tolerance bf16/fp16 rounding allows. The master gradient
+the optimizer is handed (unscaled, clipped) is checked directly against the fp32 run's.
 """
 import pytest
 import torch
 
 import zerokit as zk
+from common import OddBlock, odd_batch, odd_model
 from zerokit.launch import run_ranks
 from zerokit.models import Block, CharCorpus, build_model
 
 STEPS, BATCH = 50, 4  # 50 steps to compare against fp32 ...
 EQUAL_STEPS = 15  # ... and the first 15 of them to compare stages with each other bit for bit
-
-
-def _available_stages():
-    out = []
-    for stage in sorted(zk.STAGES):
-        module = zk.STAGES[stage].split(":")[0]
-        try:
-            __import__(module)
-            out.append(stage)
-        except ImportError:
-            pass
-    return out
-
-
-STAGES = [s for s in _available_stages() if s <= 2]
+# Every stage, listed: a stage whose module fails to import fails these tests, never skips them.
+STAGES = (0, 1, 2, 3)
+FP16_SCALE = 2.0 ** 10  # loss scale of the master-gradient check (see MASTER_GRAD_RTOL)
+MASTER_GRAD_CLIP = 0.5  # far below the odd model's first gradient norm (~9.4-9.9): the clip engages
 
 
 def _train_gpt(rank, world_size, stage, precision, steps, corpus, poison_step=None, snapshot_step=None, **kw):
@@ -55,10 +46,39 @@ def _train_gpt(rank, world_size, stage, precision, steps, corpus, poison_step=No
         losses.append(loss.detach().float())
         if step + 1 == snapshot_step:
             at_snapshot = engine.state_dict(full=True)
-    return dict(snapshot=at_snapshot if snapshot_step else None,losses=torch.stack(losses), stepped=stepped, scales=scales, params=engine.state_dict(full=True),
+    return dict(snapshot=at_snapshot if snapshot_step else None, losses=torch.stack(losses), stepped=stepped,
+                scales=scales, params=engine.state_dict(full=True),
                 memory=engine.memory(), poison=snapshot,
                 psi=sum(p.numel() for p in model.parameters()),
                 padded=sum(fp.padded_numel for fp in engine.flat_params), num_flat=len(engine.flat_params))
+
+
+def _master_grad_cases(rank, world_size):
+    """One step per stage x precision x clip on the odd model: the master gradients the optimizer is handed.
+
+    Captured by a step pre-hook on the wrapped torch optimizer, i.e. after the engine has
+    unscaled (and clipped) them: exactly what the update reads, one tensor per master shard.
+    """
+    out = {}
+    for stage in STAGES:
+        for precision in ("fp32", "bf16", "fp16"):
+            for clip in (None, MASTER_GRAD_CLIP):
+                # fp16: 2^10 does not overflow on the first step, and a gradient left scaled is 1024x too large
+                scaler = dict(init_scale=FP16_SCALE) if precision == "fp16" else None
+                engine = zk.shard(odd_model(), torch.optim.SGD, stage=stage, precision=precision, lr=0.1,
+                                  bucket_numel=40, wrap=(OddBlock,), loss_scaler=scaler)
+                seen = []
+                masters = engine.optimizer.master_shards
+                engine.optimizer.optimizer.register_step_pre_hook(
+                    lambda opt, args, kwargs: seen.append([m.grad.detach().clone() for m in masters]))
+                x, y = odd_batch(0, 3, rank, world_size)
+                engine.backward(engine(x, y))
+                if clip is not None:
+                    engine.clip_grad_norm_(clip)
+                assert engine.step(), (stage, precision, clip, "the step must not be skipped")
+                assert len(seen) == 1 and seen[0], (stage, precision, clip)
+                out[(stage, precision, clip)] = seen[0]
+    return out
 
 
 def _mixed_cases(rank, world_size):
@@ -69,6 +89,7 @@ def _mixed_cases(rank, world_size):
             steps = STEPS if stage == 0 else EQUAL_STEPS
             out[(precision, stage)] = _train_gpt(rank, world_size, stage, precision, steps, corpus,
                                                  snapshot_step=EQUAL_STEPS)
+    out["master_grads"] = _master_grad_cases(rank, world_size)
     # poisoned step (fp16, a scale that does not overflow by itself)
     for stage in STAGES:
         out[("poison", stage)] = _train_gpt(rank, world_size, stage, "fp16", 6, corpus, poison_step=3,
@@ -84,7 +105,7 @@ def mixed(request, tmp_path_factory):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_every_stage_equals_stage0_bitwise_under_mixed_precision(mixed, precision):
-    """bf16/fp16: stages 1, 2 (3) give the same losses and fp32 master weights as stage 0, bit for bit, every rank."""
+    """bf16/fp16: stages 1, 2 and 3 give the same losses and fp32 master weights as stage 0, bit for bit, every rank."""
     _, results = mixed
     for res in results:
         ref = res[(precision, 0)]
@@ -119,29 +140,55 @@ def test_mixed_precision_tracks_fp32(mixed, precision):
         assert fp32[-5:].mean() < fp32[:5].mean() - 0.5, "the run must learn for the comparison to mean anything"
 
 
-def test_poisoned_gradient_on_one_rank_skips_the_step_everywhere(mixed):
+@pytest.mark.parametrize("stage", STAGES)
+def test_poisoned_gradient_on_one_rank_skips_the_step_everywhere(mixed, stage):
     """An inf in one rank's grad shard: every rank skips; weights and Adam states bitwise unchanged; scale halves."""
     _, results = mixed
-    for stage in STAGES:
-        scales = None
-        for res in results:
-            r = res[("poison", stage)]
-            assert r["stepped"] == [True, True, True, False, True, True], (stage, r["stepped"])
-            before_params, before_states, scale_before = r["poison"]["before"]
-            after_params, after_states = r["poison"]["after"]
-            for k in before_params:
-                assert torch.equal(before_params[k], after_params[k]), (stage, k)
-            assert all(torch.equal(a, b) for a, b in zip(before_states, after_states))
-            # growth_interval=2: steps 0,1 clean -> x2 at step 1; step 2 clean; step 3 overflow -> /2;
-            # steps 4, 5 clean -> x2 again at step 5.
-            assert r["scales"] == [1024.0, 2048.0, 2048.0, 1024.0, 1024.0, 2048.0], r["scales"]
-            assert torch.isfinite(r["losses"]).all()
-            scales = scales or r["scales"]
-            assert r["scales"] == scales, "every rank holds the same scale"
+    scales = None
+    for res in results:
+        r = res[("poison", stage)]
+        assert r["stepped"] == [True, True, True, False, True, True], (stage, r["stepped"])
+        before_params, before_states, scale_before = r["poison"]["before"]
+        after_params, after_states = r["poison"]["after"]
+        for k in before_params:
+            assert torch.equal(before_params[k], after_params[k]), (stage, k)
+        assert all(torch.equal(a, b) for a, b in zip(before_states, after_states))
+        # growth_interval=2: steps 0,1 clean -> x2 at step 1; step 2 clean; step 3 overflow -> /2;
+        # steps 4, 5 clean -> x2 again at step 5.
+        assert r["scales"] == [1024.0, 2048.0, 2048.0, 1024.0, 1024.0, 2048.0], r["scales"]
+        assert torch.isfinite(r["losses"]).all()
+        scales = scales or r["scales"]
+        assert r["scales"] == scales, "every rank holds the same scale"
+
+
+# The master gradient under bf16/fp16 against the fp32 run's, same weights and batch, one step.
+# The low-precision run rounds its weights, activations and gradients to the format (unit
+# roundoff u = 2^-11 for fp16, 2^-8 for bf16), so its gradient carries a few u of relative
+# error: observed |g - g_fp32| / |g_fp32| (per rank, over its master shards) <= 8.7e-4 = 1.8u
+# (fp16) and <= 7.7e-3 = 2.0u (bf16) at every stage, 2 and 3 ranks, clipped or not. The bound is
+# 8u. What it exists to catch misses it by orders of magnitude: a gradient left scaled is off
+# by the loss scale (2^10: relative error ~1e3), one unscaled twice by ~1 (1 - 2^-10), a lost
+# clip coefficient by |g| / MASTER_GRAD_CLIP - 1 (~18 here).
+MASTER_GRAD_RTOL = {"bf16": 8 * 2.0 ** -8, "fp16": 8 * 2.0 ** -11}
+
+
+@pytest.mark.parametrize("clip", [None, MASTER_GRAD_CLIP], ids=["unclipped", "clipped"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_master_gradient_is_unscaled_and_equals_fp32s(mixed, stage, precision, clip):
+    """The fp32 master gradient the optimizer reads (unscaled, clipped) equals the fp32 run's within 8 roundoffs."""
+    _, results = mixed
+    for rank, res in enumerate(results):
+        got, ref = res["master_grads"][(stage, precision, clip)], res["master_grads"][(stage, "fp32", clip)]
+        assert [g.shape for g in got] == [g.shape for g in ref], "same flat layout at every precision"
+        assert all(g.dtype == torch.float32 for g in got), [g.dtype for g in got]
+        got, ref = torch.cat(got), torch.cat(ref)
+        error = ((got - ref).norm() / ref.norm()).item()
+        assert error <= MASTER_GRAD_RTOL[precision], (rank, error, got.norm().item(), ref.norm().item())
 
 
 def test_mixed_precision_memory_is_the_lectures_16_bytes(mixed):
-    """bf16 + AdamW: stage 0 = 2Ψ+2Ψ+4Ψ+8Ψ; stage 1 = 4Ψ + 12Ψ/N; stage 2 = 2Ψ + 14Ψ/N (exact on the padded buffers)."""
+    """bf16 + AdamW: stage 0 = 2Ψ+2Ψ+4Ψ+8Ψ, 1 = 4Ψ + 12Ψ/N, 2 = 2Ψ + 14Ψ/N, 3 = 16Ψ/N (exact, padded buffers)."""
     world_size, results = mixed
     for res in results:
         for stage in STAGES:
@@ -153,6 +200,7 @@ def test_mixed_precision_memory_is_the_lectures_16_bytes(mixed):
                 1: dict(params=2 * padded, grads=2 * padded, master_params=4 * shard,
                         optimizer_states=8 * shard),
                 2: dict(params=2 * padded, grads=2 * shard, master_params=4 * shard, optimizer_states=8 * shard),
+                3: dict(params=2 * shard, grads=2 * shard, master_params=4 * shard, optimizer_states=8 * shard),
             }[stage]
             got = {k: mem[k] for k in expected}
             assert got == expected, (stage, got, expected)
