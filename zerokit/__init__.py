@@ -14,7 +14,7 @@ Glossary — one name per kind of tensor, used everywhere in the code:
   unit          (stage 3) a group of modules whose params are gathered and freed together
   Ψ, N          parameter count, world size (ranks)
 
-Public API (stable names; see DESIGN.md):
+Public API (stable names; the full contract is docs/design.md):
 
   zk.init_distributed(backend=None, timeout_s=600)
   engine = zk.shard(model, torch.optim.AdamW, stage=2, lr=3e-4, precision="bf16", ...)
