@@ -14,6 +14,7 @@ from common import odd_batch, odd_model, train_torch_ddp
 from zerokit.core.comm import Comm
 from zerokit.core.partition import padded_numel
 from zerokit.core.precision import make_policy
+from zerokit.core.user_grads import ShardedGrad
 from zerokit.launch import run_ranks
 from zerokit.stages.zero2 import Zero2Engine
 
@@ -113,7 +114,8 @@ def _stage2_gradient_high_water(rank, world_size, bucket_numel, max_in_flight, a
     bucket_bytes = [4 * fp.padded_numel for fp in engine.flat_params]
     return dict(peak=max(samples), bucket_bytes=bucket_bytes, total=sum(bucket_bytes),
                 after=sum(g is not None for g in engine.flat_grads),
-                grads_none=all(p.grad is None for p in model.parameters()), max_in_flight=max_in_flight,
+                grads_none=all(p.grad is None or isinstance(p.grad, ShardedGrad) for p in model.parameters()),
+                max_in_flight=max_in_flight,
                 aligned=aligned)
 
 
@@ -193,7 +195,9 @@ def _cases(rank, world_size):
             engine.backward(engine(x, y))
             memory = engine.memory()  # measured after backward, before the step
             if stage == 2:
-                assert all(p.grad is None for p in model.parameters()), "stage 2 freed every full gradient"
+                # `.grad` shows this rank's shard (a ShardedGrad holds no bytes of its own), nothing full-size
+                assert all(g is None for g in engine.flat_grads), "stage 2 freed every full gradient"
+                assert all(isinstance(p.grad, ShardedGrad) for p in model.parameters() if p.requires_grad)
             engine.step()
             out[("ledger", name, stage)] = dict(
                 memory=memory, comm=engine.comm_stats(),

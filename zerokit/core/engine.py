@@ -117,7 +117,9 @@ class Engine:
         norm = total_sq.sqrt().float()
         if self.scaler is not None:
             norm = norm / self.scaler.scale
-        coef = torch.clamp(torch.tensor(float(max_norm), dtype=torch.float32, device=device) / (norm + 1e-6), max=1.0)
+        # Spelled as torch.nn.utils.clip_grad_norm_ spells it (a Python float over a tensor is a
+        # reciprocal and a multiply), so both give the same coefficient bit for bit.
+        coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
         self.optimizer.grad_multiplier = coef
         return norm
 
@@ -150,6 +152,37 @@ class Engine:
                 total += t.untyped_storage().nbytes()
             out[category] = total
         return out
+
+    # -- param.grad as user code left it (core/user_grads.py [Note: param.grad belongs to the user]) --
+    def check_user_grads_before_step(self) -> None:
+        """Called by every stage's `step`: take over what user code did to `param.grad` since backward.
+
+        A gradient zeroed or scaled in place already reached the storage the optimizer reads.
+        A `.grad` set to None after backward cannot be honoured (a torch optimizer would skip
+        that parameter; zerokit updates whole flat buffers), so it is refused, as is an
+        assigned tensor except at stage 0 (`adopt_assigned_grads`).
+        """
+        for fp in self.flat_params:
+            if not fp.requires_grad:
+                continue
+            cleared, replaced = fp.user_grad_changes()
+            dropped = [j for j in cleared if fp.params[j].grad is None]
+            if dropped:
+                raise RuntimeError(
+                    f"zerokit stage {self.stage} (rank {self.rank}): param.grad of {fp.names[dropped[0]][0]!r} was set "
+                    "to None between backward and engine.step() (model.zero_grad() or optimizer.zero_grad() in the "
+                    "wrong place?). zerokit updates whole flat buffers and cannot skip one parameter as a torch "
+                    "optimizer would: clear gradients before the forward or after step()")
+            if replaced:
+                self.adopt_assigned_grads(fp, replaced)
+
+    def adopt_assigned_grads(self, fp, replaced: list[int]) -> None:
+        """User code assigned new tensors to params[j].grad (j in `replaced`) after backward (stages 1-3: refused)."""
+        raise RuntimeError(
+            f"zerokit stage {self.stage} (rank {self.rank}): a tensor was assigned to param.grad of "
+            f"{fp.names[replaced[0]][0]!r}; at this stage only this rank's shard of the averaged gradient exists, "
+            "so an assigned full gradient cannot be used. Change gradients in place (p.grad.mul_(), clamp_(), "
+            "zero_()) or use stage=0")
 
     # -- implemented by each stage ---------------------------------------------------
     def finish_backward(self) -> None:

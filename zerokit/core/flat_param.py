@@ -26,6 +26,7 @@ from torch import nn
 
 from zerokit.core.bucketing import plan_buckets
 from zerokit.core.partition import FlatLayout
+from zerokit.core.user_grads import ShardedGrad
 
 ParamGroupFn = Callable[[str, nn.Parameter], dict]
 
@@ -44,6 +45,7 @@ class FlatParam:
         self.rank = rank
         self.layout = FlatLayout.build([tuple(p.shape) for p in params], world_size)
         self.device = params[0].device
+        self._shown_grads: list = [p.grad for p in params]  # what the engine last put in each `.grad`
 
     # extents -------------------------------------------------------------
     @property
@@ -100,12 +102,62 @@ class FlatParam:
 
     def use_as_grad_storage(self, flat_grad: torch.Tensor | None) -> None:
         """Make every parameter's `.grad` a view into `flat_grad` (None: drop the gradients)."""
-        if flat_grad is None:
-            for p in self.params:
-                p.grad = None
-            return
-        for view, p in zip(self.views(flat_grad), self.params):
-            p.grad = view
+        self.show_grads([None] * len(self.params) if flat_grad is None else self.views(flat_grad))
+
+    def show_grads(self, grads: list[torch.Tensor | None]) -> None:
+        """Put grads[j] in params[j].grad and remember it: see core/user_grads.py [Note: param.grad belongs to
+        the user]."""
+        for g, p in zip(grads, self.params):
+            p.grad = g
+            if isinstance(g, ShardedGrad):
+                g.zeroed = False
+        self._shown_grads = list(grads)  # kept alive, so `p.grad is shown` is an identity test
+
+    def user_grad_changes(self) -> tuple[list[int], list[int]]:
+        """Which params' `.grad` user code changed since `show_grads`: (cleared, replaced) indices.
+
+        Cleared: set to None (model.zero_grad(), optimizer.zero_grad(), p.grad = None) or a
+        ShardedGrad zeroed in place. Replaced: any other tensor assigned to `.grad`.
+        """
+        cleared, replaced = [], []
+        for j, (p, shown) in enumerate(zip(self.params, self._shown_grads)):
+            g = p.grad
+            if g is shown:
+                if isinstance(g, ShardedGrad) and g.zeroed:
+                    cleared.append(j)
+            elif g is None:
+                cleared.append(j)
+            else:
+                replaced.append(j)
+        return cleared, replaced
+
+    def sharded_grads(self, grad_shard: torch.Tensor, comm, scale) -> list[ShardedGrad]:
+        """One ShardedGrad per param over its elements in this rank's range of `grad_shard` (shard_numel,).
+
+        `comm=None` marks a replicated (padded_numel,) buffer (stage 0): then every element is local.
+        """
+        lo, hi = self.shard_range if comm is not None else (0, self.padded_numel)
+        assert grad_shard.numel() == hi - lo, (grad_shard.numel(), lo, hi)
+        out = []
+        for names, p, o, n in zip(self.names, self.params, self.layout.offsets, self.layout.numels):
+            a, b = max(o, lo), min(o + n, hi)  # this param's elements in [lo, hi), flat coordinates
+            local = grad_shard[a - lo:b - lo] if a < b else grad_shard[:0]
+            out.append(ShardedGrad.make(p, local, comm, scale, names[0]))
+        return out
+
+    def grad_views_of(self, flat: torch.Tensor, js: list[int]) -> list[torch.Tensor]:
+        """params[j]'s range of a (padded_numel,) buffer, for each j in js, as 1-D views."""
+        return [flat[self.layout.offsets[j]:self.layout.offsets[j] + self.layout.numels[j]] for j in js]
+
+    def shard_parts_of(self, grad_shard: torch.Tensor, js: list[int]) -> list[torch.Tensor]:
+        """params[j]'s elements within this rank's range, as views of a (shard_numel,) buffer."""
+        lo, hi = self.shard_range
+        out = []
+        for j in js:
+            o, n = self.layout.offsets[j], self.layout.numels[j]
+            a, b = max(o, lo), min(o + n, hi)
+            out.append(grad_shard[a - lo:b - lo] if a < b else grad_shard[:0])
+        return out
 
     def write_into_state_dict(self, state_dict: dict[str, torch.Tensor], flat: torch.Tensor) -> None:
         """Put each parameter's values from a (padded_numel,) buffer into `state_dict`, under every

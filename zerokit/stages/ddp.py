@@ -23,7 +23,12 @@ reduce-dtype buffer, scaled by 1/N there and all-reduced in it (g = reduce-dtype
 2x the bytes for fp32 reductions of bf16 gradients). The averaged gradient then lives in
 that buffer, which the optimizer reads, until `step` (or `zero_grad`) drops it: Ψ·r extra
 bytes from the bucket's hook to the step (fp32 reductions of bf16: 2Ψ + 4Ψ = 6Ψ gradient
-bytes at that moment), reported as comm_buffers; `param.grad` keeps this rank's local sum.
+bytes at that moment), reported as comm_buffers; `param.grad` then shows that average (a
+core/user_grads.py ShardedGrad over it) while the bucket keeps this rank's local sum.
+
+`param.grad` is the user's, as under torch DDP: after backward it is the averaged gradient,
+and in-place changes reach the step; `model.zero_grad()`, an optimizer's `zero_grad()` or
+`p.grad = None` before the next backward are taken over by `_adopt_user_grads`.
 
 Per-rank memory (Ψ parameters, up to padding < N elements per bucket):
   fp32 + Adam:        params 4Ψ + grads 4Ψ + optimizer_states 8Ψ                = 16Ψ
@@ -75,9 +80,29 @@ class DDPEngine(Engine):
         self.reduced_grads: list[torch.Tensor | None] = [None] * len(self.flat_params)
         self._optimizer_slot = {fp.index: k for k, fp in enumerate(trainable)}  # bucket -> optimizer grad_shards[k]
         self.in_flight = InFlight()
-        self.tracker = GradReadyTracker(self.flat_params, self._on_bucket_ready, self._on_backward_end)
+        self.tracker = GradReadyTracker(self.flat_params, self._on_bucket_ready, self._on_backward_end,
+                                        on_first_grad=self._adopt_user_grads)
 
     # 2. gradient hook ---------------------------------------------------------------
+    def _adopt_user_grads(self, fp: FlatParam) -> None:
+        """Autograd is about to add this bucket's first gradient: honour what user code did to `.grad`.
+
+        `model.zero_grad()` or an optimizer's `zero_grad()` set `.grad` to None, which would
+        make autograd accumulate into a fresh tensor the all-reduce never sees (core/user_grads.py
+        [Note: param.grad belongs to the user]). Cleared params are zeroed in the bucket, an
+        assigned tensor is copied in (DDP accumulates into it), and `.grad` is a bucket view again.
+        """
+        cleared, replaced = fp.user_grad_changes()
+        grad = self.flat_grads[fp.index]  # (padded_numel,)
+        if len(cleared) == len(fp.params):
+            grad.zero_()  # one kernel for the usual case: the whole model was cleared
+        else:
+            for view in fp.grad_views_of(grad, cleared):
+                view.zero_()
+            for j, view in zip(replaced, fp.grad_views_of(grad, replaced)):
+                view.copy_(fp.params[j].grad.reshape(-1))
+        fp.use_as_grad_storage(grad)
+
     def _on_bucket_ready(self, fp: FlatParam) -> None:
         """A bucket's gradients are all accumulated: average them over ranks, asynchronously."""
         if not self.sync_gradients:
@@ -87,6 +112,11 @@ class DDPEngine(Engine):
         if send is not grad:  # a reduce-dtype copy: the optimizer reads the average from it
             self.reduced_grads[fp.index] = send
             self.optimizer.grad_shards[self._optimizer_slot[fp.index]] = send
+        if send is not grad or self.scaler is not None:
+            # `.grad` shows the average (not the bucket's local sum), and under fp16 unscaled
+            # norms: a replicated ShardedGrad (core/user_grads.py), so that
+            # torch.nn.utils.clip_grad_norm_ equals engine.clip_grad_norm_.
+            fp.show_grads(fp.sharded_grads(send, None, lambda: self.loss_scale))
         self.in_flight.push(self.comm.all_reduce(send, async_op=True, phase="backward"))
 
     # 3. finish backward ---------------------------------------------------------------
@@ -101,9 +131,20 @@ class DDPEngine(Engine):
     def step(self) -> bool:
         """Update every parameter on every rank (replicated optimizer). False if fp16 skipped it."""
         self.finish_backward()
+        self.check_user_grads_before_step()
         stepped = self.optimizer.step()
         self.release_reduced_grads()
         return stepped
+
+    def adopt_assigned_grads(self, fp: FlatParam, replaced: list[int]) -> None:
+        """A tensor assigned to `.grad` after backward is what a torch optimizer would read: so do we."""
+        grad = self.optimizer.grad_shards[self._optimizer_slot[fp.index]]  # the bucket or its reduce-dtype copy
+        for j, view in zip(replaced, fp.grad_views_of(grad, replaced)):
+            view.copy_(fp.params[j].grad.reshape(-1))
+        if grad is self.flat_grads[fp.index]:
+            fp.use_as_grad_storage(grad)
+        else:
+            fp.show_grads(fp.sharded_grads(grad, None, lambda: self.loss_scale))
 
     def release_reduced_grads(self) -> None:
         """Drop the reduce-dtype buffers; the optimizer reads the param-dtype buckets again."""
@@ -111,13 +152,15 @@ class DDPEngine(Engine):
             if self.reduced_grads[fp.index] is not None:
                 self.reduced_grads[fp.index] = None
                 self.optimizer.grad_shards[self._optimizer_slot[fp.index]] = self.flat_grads[fp.index]
+                fp.use_as_grad_storage(self.flat_grads[fp.index])
 
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
         self.release_reduced_grads()
-        for grad in self.flat_grads:
+        for fp, grad in zip(self.flat_params, self.flat_grads):
             if grad is not None:
                 grad.zero_()
+                fp.use_as_grad_storage(grad)  # user code may have replaced `.grad`: show the bucket again
 
     # 6. state_dict ----------------------------------------------------------------------
     def state_dict(self, full: bool = True) -> dict[str, torch.Tensor]:

@@ -37,11 +37,15 @@ dropped as soon as its reduce-scatter completes; the CPU waits so that at most t
 Then grads = Ψ·g + Ψ·r/N (bf16 with fp32 reductions: 2Ψ + 4Ψ/N) and the reduce-scatter
 counts Ψ·r bytes (2x).
 
-`param.grad` after backward is not the averaged gradient here (only this rank's range is,
-in the grad shard); read gradients through `clip_grad_norm_` or the grad shards. Because
-the grad shard lives inside the gradient bucket, a second synced backward without
-zero_grad() would mix averaged and local values: stage 1 refuses it with a clear error
-(accumulate inside `no_sync()`, which communicates nothing, as at stage 0).
+`param.grad` after a synced backward: only this rank's range of the average exists, so each
+`.grad` becomes a ShardedGrad (core/user_grads.py [Note: param.grad belongs to the user]):
+its norms are reduced over ranks (`torch.nn.utils.clip_grad_norm_(model.parameters(), c)`
+equals `engine.clip_grad_norm_(c)`), in-place scaling and zeroing reach the grad shard, any
+other use is refused. `model.zero_grad()` or an optimizer's `zero_grad()` before the next
+backward clears the bucket (`_adopt_user_grads`). Because the grad shard lives inside the
+gradient bucket, a second synced backward without clearing would mix averaged and local
+values: stage 1 refuses it with a clear error (accumulate inside `no_sync()`, which
+communicates nothing, as at stage 0).
 """
 from __future__ import annotations
 
@@ -99,9 +103,38 @@ class Zero1Engine(Engine):
         self.in_flight = InFlight()
         self.reduce_buffers: dict[int, list[torch.Tensor]] = {}  # bucket -> its reduce-scatter's transient tensors
         self.gather_inputs: list[torch.Tensor] = []  # (shard_numel,) clones, while all_gather_params runs
-        self.tracker = GradReadyTracker(self.flat_params, self._on_bucket_ready, self._on_backward_end)
+        # What `.grad` shows after a synced backward: this rank's part of the grad shard, per param.
+        self.shown_grads = {fp.index: fp.sharded_grads(self.grad_shards[fp.index], comm, lambda: self.loss_scale)
+                            for fp in trainable}
+        self.tracker = GradReadyTracker(self.flat_params, self._on_bucket_ready, self._on_backward_end,
+                                        on_first_grad=self._adopt_user_grads)
 
     # 2. gradient hook ---------------------------------------------------------------
+    def _adopt_user_grads(self, fp: FlatParam) -> None:
+        """Autograd is about to add this bucket's first gradient: honour what user code did to `.grad`.
+
+        Cleared `.grad`s (None, or zeroed in place) start from zero; an assigned tensor is
+        the starting gradient, as under DDP. Then `.grad` is a bucket view again, for autograd.
+        """
+        cleared, replaced = fp.user_grad_changes()
+        grad = self.flat_grads[fp.index]  # (padded_numel,)
+        if self.grad_shard_written[fp.index] and (cleared or replaced):
+            if len(cleared) + len(replaced) < len(fp.params):
+                kept = next(names[0] for j, names in enumerate(fp.names) if j not in cleared + replaced)
+                raise RuntimeError(
+                    f"stage 1 (rank {self.rank}): some gradients of the bucket holding {kept!r} were cleared "
+                    "since the last synced backward and others not; stage 1 cannot accumulate onto an averaged "
+                    "gradient: clear all of them (model.zero_grad() or engine.zero_grad())")
+            self._zero_bucket(fp)  # every param was cleared: as engine.zero_grad() for this bucket
+        elif len(cleared) == len(fp.params):
+            grad.zero_()
+        else:
+            for view in fp.grad_views_of(grad, cleared):
+                view.zero_()
+        for j, view in zip(replaced, fp.grad_views_of(grad, replaced)):
+            view.copy_(fp.params[j].grad.reshape(-1))
+        fp.use_as_grad_storage(grad)  # plain views: autograd accumulates into the bucket
+
     def _on_bucket_ready(self, fp: FlatParam) -> None:
         """A bucket's gradients are all accumulated. Stage 1 keeps the full gradient until backward ends."""
 
@@ -112,6 +145,9 @@ class Zero1Engine(Engine):
                 if fp.requires_grad:
                     self.reduce_scatter_grad(fp)
         self.in_flight.wait_all()
+        if self.sync_gradients:  # `.grad` shows what exists of the average: this rank's shard
+            for index, shown in self.shown_grads.items():
+                self.flat_params[index].show_grads(shown)
 
     def finish_backward(self) -> None:
         self.tracker.finish_if_pending()
@@ -121,9 +157,9 @@ class Zero1Engine(Engine):
         """Launch: the rank-average of this rank's range overwrites that range (the grad shard)."""
         if self.grad_shard_written[fp.index]:
             raise RuntimeError(
-                f"stage 1 (rank {self.rank}): a second synced backward since zero_grad() for the bucket holding "
-                f"{fp.names[0][0]!r}; accumulate gradients inside engine.no_sync() and let only the last "
-                "micro-step synchronise, or call zero_grad() between steps")
+                f"stage 1 (rank {self.rank}): a second synced backward since gradients were cleared, for the bucket "
+                f"holding {fp.names[0][0]!r}; accumulate gradients inside engine.no_sync() and let only the last "
+                "micro-step synchronise, or clear gradients between steps (engine.zero_grad() or model.zero_grad())")
         self.grad_shard_written[fp.index] = True
         grad = self.flat_grads[fp.index]  # (padded_numel,)
         # Pre-divide (and cast) exactly as stage 0 does, so the sums agree bit for bit.
@@ -141,6 +177,7 @@ class Zero1Engine(Engine):
     def step(self) -> bool:
         """Update this rank's shard of every buffer, then all-gather. False if fp16 skipped it."""
         self.finish_backward()
+        self.check_user_grads_before_step()
         stepped = self.optimizer.step()
         if stepped:  # a skipped step changed no shard: the full buffers are still current
             self.all_gather_params()
@@ -169,10 +206,13 @@ class Zero1Engine(Engine):
     def zero_grad(self) -> None:
         for fp in self.flat_params:
             if fp.requires_grad:
-                self.flat_grads[fp.index].zero_()  # the grad shard, if a view, is zeroed with it
-                if self.grad_shards[fp.index].dtype != self.flat_grads[fp.index].dtype:  # its own tensor
-                    self.grad_shards[fp.index].zero_()
-                self.grad_shard_written[fp.index] = False
+                self._zero_bucket(fp)
+
+    def _zero_bucket(self, fp: FlatParam) -> None:
+        self.flat_grads[fp.index].zero_()  # the grad shard, if a view, is zeroed with it
+        if self.grad_shards[fp.index].dtype != self.flat_grads[fp.index].dtype:  # its own tensor
+            self.grad_shards[fp.index].zero_()
+        self.grad_shard_written[fp.index] = False
 
     # 6. state_dict ----------------------------------------------------------------------
     def state_dict(self, full: bool = True) -> dict[str, torch.Tensor]:

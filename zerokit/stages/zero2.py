@@ -14,7 +14,9 @@ What happens, per step (differences from stage 1 marked *):
   * *backward: just before a bucket's first gradient arrives, a zeroed (padded_numel,)
     buffer is allocated and the params' `.grad`s become views into it; when the bucket is
     complete it is scaled by 1/N and reduce-scattered asynchronously into this rank's
-    grad shard; when that completes the full buffer is dropped (`param.grad` is None);
+    grad shard; when that completes the full buffer is dropped (`param.grad` then shows this
+    rank's part of the average, a ShardedGrad: core/user_grads.py [Note: param.grad belongs to
+    the user]; `model.zero_grad()` before the next backward clears the grad shard);
     at most `max_in_flight` (default 2) reduce-scatters are left running: the hook waits
     for the oldest ones (a CPU wait) before backward goes on;
   * end of backward: wait for every bucket;
@@ -111,6 +113,11 @@ class Zero2Engine(Engine):
             self.grad_shards.append(fp.new_flat(policy.reduce_dtype, numel=fp.shard_numel)
                                     if fp.requires_grad else None)
             self.grad_shard_written.append(False)
+        # What `.grad` shows between backwards: this rank's part of the grad shard, per param.
+        self.shown_grads = {fp.index: fp.sharded_grads(self.grad_shards[fp.index], comm, lambda: self.loss_scale)
+                            for fp in self.flat_params if fp.requires_grad}
+        for index, shown in self.shown_grads.items():
+            self.flat_params[index].show_grads(shown)
         trainable = [fp for fp in self.flat_params if fp.requires_grad]
         self.optimizer = ShardedOptimizer(
             optimizer_cls, optimizer_kwargs,
@@ -128,10 +135,30 @@ class Zero2Engine(Engine):
     # 2. gradient hook ---------------------------------------------------------------
     def _on_first_grad(self, fp: FlatParam) -> None:
         """Autograd is about to accumulate this bucket's first gradient: give the bucket full-size storage."""
+        cleared, replaced = fp.user_grad_changes()
         if self.flat_grads[fp.index] is None:  # else kept from a no_sync micro-step ("local")
             grad = fp.new_flat()  # (padded_numel,) zeros; autograd accumulates into the params' views
-            fp.use_as_grad_storage(grad)
-            self.flat_grads[fp.index] = grad
+        else:
+            grad = self.flat_grads[fp.index]
+            for view in fp.grad_views_of(grad, cleared + replaced):
+                view.zero_()
+        self._adopt_user_grads(fp, cleared, replaced, grad)
+        fp.use_as_grad_storage(grad)
+        self.flat_grads[fp.index] = grad
+
+    def _adopt_user_grads(self, fp: FlatParam, cleared: list[int], replaced: list[int], grad: torch.Tensor) -> None:
+        """Honour what user code did to `.grad` since the last backward (core/user_grads.py [Note: param.grad
+        belongs to the user]): a cleared param's part of the grad shard starts again from zero, as after
+        zero_grad(); an assigned tensor is copied into the full bucket, the gradient to accumulate onto (DDP)."""
+        shard = self.grad_shards[fp.index]  # (shard_numel,)
+        if len(cleared) + len(replaced) == len(fp.params):
+            shard.zero_()
+            self.grad_shard_written[fp.index] = False  # the next reduce-scatter lands directly, as after zero_grad
+        else:
+            for part in fp.shard_parts_of(shard, cleared + replaced):
+                part.zero_()
+        for j, view in zip(replaced, fp.grad_views_of(grad, replaced)):
+            view.copy_(fp.params[j].grad.reshape(-1))
 
     def _on_bucket_ready(self, fp: FlatParam) -> None:
         """A bucket's gradients are all accumulated: reduce-scatter now, free the full buffer when done."""
@@ -159,7 +186,7 @@ class Zero2Engine(Engine):
         alive = []  # transient tensors of this reduce-scatter, listed by comm_buffer_tensors()
         if send is not grad:  # the reduce-dtype copy is the input: the param-dtype bucket can go now
             alive.append(send)
-            fp.use_as_grad_storage(None)
+            fp.show_grads(self.shown_grads[fp.index])
             self.flat_grads[fp.index] = None
         if not self.grad_shard_written[fp.index]:
             out, add_into_shard = grad_shard, False
@@ -173,7 +200,7 @@ class Zero2Engine(Engine):
             if add_into_shard:
                 grad_shard.add_(out)
             # The owners have this bucket's content now: release the full-size storage.
-            fp.use_as_grad_storage(None)
+            fp.show_grads(self.shown_grads[fp.index])  # `.grad`: this rank's part of the average
             self.flat_grads[fp.index] = None
             self.reduce_buffers.pop(fp.index, None)
 
@@ -183,6 +210,7 @@ class Zero2Engine(Engine):
     def step(self) -> bool:
         """Update this rank's shard of every buffer, then all-gather. False if fp16 skipped it."""
         self.finish_backward()
+        self.check_user_grads_before_step()
         stepped = self.optimizer.step()
         if stepped:  # a skipped step changed no shard: the full buffers are still current
             self.all_gather_params()
@@ -212,8 +240,8 @@ class Zero2Engine(Engine):
         for fp in self.flat_params:
             if fp.requires_grad:
                 if self.flat_grads[fp.index] is not None:  # kept by no_sync ("local") and never sent
-                    fp.use_as_grad_storage(None)
                     self.flat_grads[fp.index] = None
+                fp.show_grads(self.shown_grads[fp.index])
                 self.grad_shards[fp.index].zero_()
                 self.grad_shard_written[fp.index] = False
 

@@ -207,6 +207,14 @@ class Zero3Engine(Engine):
             self.unsharded_grads.append(None)
         del fp32
         self._grad_shard_clean = [True] * len(self.flat_params)  # zero: reduce-scatter straight into it
+        # What `.grad` shows between backwards: this rank's part of the grad shard, per param
+        # (core/user_grads.py [Note: param.grad belongs to the user]).
+        self.shown_grads = {fp.index: fp.sharded_grads(self.grad_shards[fp.index], comm, lambda: self.loss_scale)
+                            for fp in self.flat_params if fp.requires_grad}
+        for index, shown in self.shown_grads.items():
+            self.flat_params[index].show_grads(shown)
+        self._adopted: set[int] = set()  # flat params whose user `.grad` changes were taken over this backward
+        self._assigned: dict[int, list] = {}  # flat param -> [(j, tensor user code assigned to params[j].grad)]
 
         trainable = [fp for fp in self.flat_params if fp.requires_grad]
         self.optimizer = ShardedOptimizer(
@@ -421,14 +429,49 @@ class Zero3Engine(Engine):
     def _make_grad_pre_hook(self, fp: FlatParam):
         def grad_pre_hook(grad: torch.Tensor) -> None:
             self._begin_backward()
+            if fp.index not in self._adopted:
+                self._adopt_user_grads(fp)
             if self.unsharded_grads[fp.index] is None:
                 # (padded_numel,) param dtype: autograd accumulates every gradient of the flat
                 # param straight into it; it lives until the reduce-scatter completes.
                 flat_grad = fp.new_flat()
+                self._copy_assigned_grads(fp, flat_grad)
                 fp.use_as_grad_storage(flat_grad)
                 self.unsharded_grads[fp.index] = flat_grad
             return None
         return grad_pre_hook
+
+    def _adopt_user_grads(self, fp: FlatParam) -> None:
+        """Once per backward, before autograd adds to this flat param: honour what user code did to `.grad`.
+
+        A cleared `.grad` (`model.zero_grad()`, an optimizer's `zero_grad()`, `p.grad = None`)
+        starts from zero: its part of the grad shard, or of the unsharded gradient kept by
+        `no_sync`, is zeroed. An assigned tensor is copied into the unsharded gradient, the
+        gradient to accumulate onto, as DDP would (`_copy_assigned_grads`).
+        """
+        self._adopted.add(fp.index)
+        cleared, replaced = fp.user_grad_changes()
+        if not (cleared or replaced):
+            return
+        kept = self.unsharded_grads[fp.index]  # (padded_numel,) kept by no_sync, or None
+        if kept is not None:
+            for view in fp.grad_views_of(kept, cleared + replaced):
+                view.zero_()
+        shard = self.grad_shards[fp.index]  # (shard_numel,)
+        if len(cleared) + len(replaced) == len(fp.params):
+            shard.zero_()
+            self._grad_shard_clean[fp.index] = True  # the next reduce-scatter lands directly, as after zero_grad
+        else:
+            for part in fp.shard_parts_of(shard, cleared + replaced):
+                part.zero_()
+        self._assigned[fp.index] = [(j, fp.params[j].grad) for j in replaced]
+        if kept is not None:
+            self._copy_assigned_grads(fp, kept)
+            fp.use_as_grad_storage(kept)
+
+    def _copy_assigned_grads(self, fp: FlatParam, flat_grad: torch.Tensor) -> None:
+        for j, g in self._assigned.pop(fp.index, []):
+            fp.grad_views_of(flat_grad, [j])[0].copy_(g.reshape(-1))
 
     def _make_grad_ready_hook(self, unit: Unit):
         def grad_ready_hook(param: torch.Tensor) -> None:
@@ -467,13 +510,16 @@ class Zero3Engine(Engine):
             if not fp.requires_grad:
                 continue
             i = fp.index
+            if i not in self._adopted:  # no gradient reached it this backward: user `.grad` changes still count
+                self._adopt_user_grads(fp)
             flat_grad = self.unsharded_grads[i]
             if flat_grad is None:  # no gradient reached this flat param: its contribution is zero
                 flat_grad = fp.new_flat()
+                self._copy_assigned_grads(fp, flat_grad)
             # Pre-divide (and cast) exactly as stage 0 does, so the sums agree bit for bit.
             send = grad_reduce_input(flat_grad, self.world_size, self.policy.reduce_dtype)
             if send is not flat_grad and self.unsharded_grads[i] is flat_grad:
-                fp.use_as_grad_storage(None)  # the reduce-dtype copy is the input: the gradient can go now
+                fp.show_grads(self.shown_grads[i])  # the reduce-dtype copy is the input: the gradient can go now
                 self.unsharded_grads[i] = None
             clean = self._grad_shard_clean[i]
             out = self.grad_shards[i] if clean else torch.empty_like(self.grad_shards[i])  # (shard_numel,)
@@ -494,7 +540,7 @@ class Zero3Engine(Engine):
                 self.grad_shards[fp.index].add_(partial)
             self.reduce_buffers.pop(fp.index, None)
             if self.unsharded_grads[fp.index] is flat_grad:
-                fp.use_as_grad_storage(None)
+                fp.show_grads(self.shown_grads[fp.index])  # `.grad`: this rank's part of the average
                 self.unsharded_grads[fp.index] = None  # the (padded_numel,) gradient is freed
         return done
 
@@ -519,6 +565,7 @@ class Zero3Engine(Engine):
             unit.pending_inputs = 0
             unit.reduced = False
             unit.backward_started = False
+        self._adopted.clear()
 
     def finish_backward(self) -> None:
         if self.in_backward:
@@ -533,6 +580,7 @@ class Zero3Engine(Engine):
     def step(self) -> bool:
         """Update this rank's shards. No all-gather: the next forward gathers. False if fp16 skipped it."""
         self.finish_backward()
+        self.check_user_grads_before_step()
         return self.optimizer.step()
 
     # 5. zero_grad ------------------------------------------------------------------------
@@ -543,7 +591,7 @@ class Zero3Engine(Engine):
                 self._grad_shard_clean[i] = True
         for fp in self.flat_params:  # gradients kept unsharded by no_sync
             if self.unsharded_grads[fp.index] is not None:
-                fp.use_as_grad_storage(None)
+                fp.show_grads(self.shown_grads[fp.index])
                 self.unsharded_grads[fp.index] = None
 
     # 6. state_dict ----------------------------------------------------------------------
