@@ -72,15 +72,13 @@ def test_compare_runs_two_steps_and_writes_json_and_png(tmp_path, capsys):
     import matplotlib.image
 
     from zerokit.cli import main
-    from zerokit.compare import available_stages
 
     out = tmp_path / "cmp"
     assert main(["compare", "--nproc", "2", "--steps", "2", "--model", "tiny", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     record = json.loads((out / "compare.json").read_text())
-    stages, _ = available_stages([0, 1, 2, 3])
     names = [r["name"] for r in record["runs"]]
-    assert names == [f"zerokit {s}" for s in stages] + ["torch DDP"]
+    assert names == [f"zerokit {s}" for s in (0, 1, 2, 3)] + ["torch DDP"], "every stage runs, none skipped"
     assert all(name in printed for name in names)
     for key in ("command", "date", "torch", "python", "hostname"):
         assert record["meta"][key]
@@ -92,9 +90,24 @@ def test_compare_runs_two_steps_and_writes_json_and_png(tmp_path, capsys):
                                                     "activations"}
             assert _finite({k: v for k, v in rank_ledger["relative_error"].items() if v is not None})
         # fp32 on 2 ranks without clipping: every stage trains like torch DDP bit for bit (the
-        # rank-average of two gradients is a + b in either order; DESIGN.md's correctness bar)
+        # rank-average of two gradients is a + b in either order; docs/design.md's correctness bar)
         assert run["max_abs_loss_diff_vs_torch_ddp"] == 0.0, run["name"]
         assert run["comm_bytes_per_step"][0] > 0 and run["step_ms_median"] > 0
     image = matplotlib.image.imread(out / "compare.png")
     assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 600
     assert torch.tensor(image).std() > 0.05, "the plot is not blank"
+
+
+def test_every_stage_imports_and_none_is_skipped():
+    """zk.STAGES names four engine classes that import; compare's stage filter skips none of them."""
+    import importlib
+
+    import zerokit as zk
+    from zerokit.compare import available_stages
+
+    assert sorted(zk.STAGES) == [0, 1, 2, 3]
+    for stage, where in zk.STAGES.items():
+        module_name, class_name = where.split(":")
+        engine_cls = getattr(importlib.import_module(module_name), class_name)  # raises: the test fails
+        assert engine_cls.stage == stage, (where, engine_cls.stage)
+    assert available_stages([0, 1, 2, 3]) == ([0, 1, 2, 3], {})
