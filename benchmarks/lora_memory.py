@@ -33,7 +33,6 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: import the check
     sys.path.insert(0, str(REPO))
 
 import zerokit as zk  # noqa: E402
+from _results import git_commit  # noqa: E402  (benchmarks/_results.py, beside this script)
 from zerokit.core.comm import Comm, Simulated  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
 from zerokit.models import Block, CharCorpus, build_model  # noqa: E402
@@ -144,18 +144,8 @@ def machine() -> dict:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    try:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
-        # Files of the package that differ from that commit (measured code not yet committed).
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "zerokit"],
-                               capture_output=True, text=True, check=True).stdout.split("\n")
-        changed = sorted(line[3:] for line in dirty if line.strip())
-    except (OSError, subprocess.CalledProcessError):
-        commit, changed = "unknown", []
     return {"cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "zerokit_commit": commit,
-            "zerokit_uncommitted": changed}
+            "python": platform.python_version(), "torch": torch.__version__}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="output path without extension (.json and .md are written)")
     args = p.parse_args(argv)
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, REPO)] + sys.argv[1:])
+    commit = git_commit()  # taken before the run: the code that produced the numbers
     # Read the corpus once here and pass the text to the ranks, so every rank trains on the same bytes.
     text = "".join(path.read_text(encoding="utf-8", errors="replace")
                    for path in sorted((REPO / "zerokit").rglob("*.py")))
@@ -194,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{label} ranks\n{tables[label]}")
     info = machine()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    result = {"command": command, "date": date, "machine": info, "model": args.model,
+    result = {"command": command, "date": date, "commit": commit, "machine": info, "model": args.model,
               "num_params": rows[0]["num_params"], "config": {k: v for k, v in cfg.items() if k != "text"},
               "rows": rows}
     out = Path(args.out)
@@ -207,9 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         f"- command: `{command}`",
         f"- date: {date}",
         f"- machine: {info['cpu']} ({info['cpu_count']} logical CPUs), {info['platform']}",
-        f"- versions: Python {info['python']}, torch {info['torch']}, zerokit {info['zerokit_commit'][:12]}"
-        + (f" plus uncommitted changes to {', '.join(info['zerokit_uncommitted'])}"
-           if info["zerokit_uncommitted"] else ""),
+        f"- commit: {result['commit']}",
+        f"- versions: Python {info['python']}, torch {info['torch']}",
         f"- model: GPT preset `{args.model}`, Ψ = {rows[0]['num_params']:,} parameters; LoRA on q and v, "
         f"r = 8, alpha = 1: Ψ_t = {lora_row['trainable_params']:,} trainable adapter parameters "
         f"({100 * lora_row['trainable_params'] / rows[0]['num_params']:.2f}% of the base Ψ; "

@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 from zerokit.compare import available_stages  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
 from zerokit.memory_cmd import simulate_rank  # noqa: E402
+from _results import git_commit  # noqa: E402  (benchmarks/_results.py, beside this script)
 
 MODEL_STATES = ("params", "grads", "master_params", "optimizer_states")
 COLUMNS = MODEL_STATES + ("comm_buffers", "activations")
@@ -107,6 +108,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args()
 
+    commit = git_commit()  # taken before the run: the code that produced the numbers
     stages, skipped = available_stages([0, 1, 2, 3])
     precisions = ("fp32", "bf16")
     rows: list[dict] = []
@@ -143,7 +145,7 @@ def main() -> int:
     if torch.cuda.is_available():
         tag = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
     meta = {"command": " ".join([Path(sys.executable).name] + sys.argv),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
             "seconds": round(time.perf_counter() - start, 1), "hardware": hardware(),
             "skipped_stages": {str(k): v for k, v in skipped.items()},
             "notes": "one training step (batch 1 x 8 tokens), AdamW; measured = core.memory.ledger after step(); "
@@ -154,6 +156,7 @@ def main() -> int:
     hw = meta["hardware"]
     md = [f"# Per-rank memory per ZeRO stage, measured vs formula ({tag})", "",
           f"- command: `{meta['command']}`", f"- date: {meta['date']} ({meta['seconds']} s)",
+          f"- commit: {meta['commit']}",
           f"- hardware: {hw['cpu_model'] or hw['processor']}, {hw['cpu_count']} CPUs"
           + (f", GPUs: {', '.join(hw['cuda_devices'])}" if hw["cuda_devices"] else ""),
           f"- versions: Python {hw['python']}, torch {hw['torch']}", f"- {meta['notes']}",

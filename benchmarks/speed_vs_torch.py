@@ -3,7 +3,7 @@
     python benchmarks/speed_vs_torch.py                    # 2 gloo ranks, model small, 30 steps, fp32
     python benchmarks/speed_vs_torch.py --nproc 2 --model small --steps 30 --warmup 5 --precision fp32
 
-DESIGN.md ("Speed, from the first line") names torch's implementations as the yardstick. One
+docs/design.md ("Speed, from the first line") names torch's implementations as the yardstick. One
 spawn of `--nproc` ranks trains, in turn, each configuration below from the same initial
 weights (`build_model(seed)`) on the same batches (`CharCorpus.batch`), with the same AdamW
 hyperparameters (lr, betas, weight decay 0.1 on matrices and 0 on biases/LayerNorms), through
@@ -55,6 +55,7 @@ sys.path.insert(0, str(REPO))
 
 from zerokit.compare import _no_decay, _unique_bytes, available_stages, environment  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
+from _results import git_commit  # noqa: E402  (benchmarks/_results.py, beside this script)
 
 # Largest |Δloss| accepted between a pair at fp32. The DDP pairs sum gradients in the same
 # order and may agree exactly; ZeroRedundancyOptimizer and FSDP reduce in other orders
@@ -366,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda" and args.nproc > torch.cuda.device_count():
         raise SystemExit(f"--nproc {args.nproc} needs {args.nproc} GPUs (NCCL: one per rank); "
                          f"{torch.cuda.device_count()} visible")
+    commit = git_commit()  # taken before the run: the code that produced the numbers
     stages, skipped = available_stages([0, 1, 2, 3])
     for stage, why in skipped.items():
         print(f"zerokit stage {stage} skipped: {why}")
@@ -385,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["command"] = " ".join(["python", str(Path(__file__).resolve().relative_to(REPO))]
                                + (sys.argv[1:] if argv is None else list(argv)))
     meta["seconds"] = round(time.perf_counter() - start, 1)
+    meta["commit"] = commit
     try:
         with open("/proc/cpuinfo") as f:
             meta["cpu_model"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
@@ -420,6 +423,7 @@ def markdown(record: dict) -> list[str]:
     md = [f"# zerokit vs torch: step time ({cfg['device']})", "",
           f"- command (from the repository root): `{meta['command']}`",
           f"- date: {meta['date']} ({meta['seconds']} s)",
+          f"- commit: {meta.get('commit', 'not recorded')}",
           f"- hardware: {hw}, {meta['cpu_count']} CPU cores; {meta['platform']}",
           f"- versions: Python {meta['python']}, torch {meta['torch']}",
           f"- setup: {cfg['nproc']} {'NCCL' if cfg['device'] == 'cuda' else 'gloo'} ranks, model `{cfg['model']}`, "

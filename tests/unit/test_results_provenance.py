@@ -1,0 +1,48 @@
+"""benchmarks/_results.py: every results file can say which command, date, commit, machine and versions made it."""
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import _results  # noqa: E402
+
+COMMIT = re.compile(r"^([0-9a-f]{40}(-dirty)?|unknown)$")
+
+
+def test_commit_is_head_with_a_dirty_flag_or_unknown_outside_git(tmp_path):
+    """git_commit() is a full hash, "-dirty" when the tree differs from it; "unknown" where there is no checkout."""
+    assert COMMIT.match(_results.git_commit()), _results.git_commit()
+    assert _results.git_commit(tmp_path) == "unknown"
+
+
+def test_provenance_has_command_date_commit_machine_and_versions():
+    """The record carries all five, and its text lines show each of them."""
+    record = _results.provenance("python benchmarks/x.py --flag")
+    assert set(record) == {"command", "date", "commit", "machine", "versions"}
+    assert record["versions"]["torch"] and record["versions"]["python"] and record["machine"]["cpu_count"]
+    json.dumps(record)  # results files are JSON
+    text = "\n".join(_results.provenance_lines(record))
+    for needle in ("python benchmarks/x.py --flag", record["date"], record["commit"], "torch"):
+        assert needle in text
+
+
+def test_transcript_keeps_what_a_terminal_finally_shows():
+    """Progress bars redrawn with carriage returns keep only their last state; colour codes go."""
+    raw = "step 1/3\rstep 2/3\rstep 3/3 done\n\x1b[32mloss 2.68\x1b[0m\n"
+    assert _results.clean_transcript(raw) == "step 3/3 done\nloss 2.68\n"
+
+
+def test_record_writes_provenance_then_output_and_returns_the_status(tmp_path):
+    """`record OUT -- cmd`: '#' provenance lines, the exit status, then the command's output; its status is returned."""
+    out = tmp_path / "t.txt"
+    status = _results.main(["record", str(out), "--", sys.executable, "-c", "print('hello'); raise SystemExit(3)"])
+    assert status == 3
+    text = out.read_text()
+    header, body = text.split("\n\n", 1)
+    assert all(line.startswith("# ") for line in header.splitlines())
+    for key in ("command", "date", "commit", "machine", "versions", "exit status: 3"):
+        assert key in header, key
+    assert body == "hello\n"
