@@ -112,14 +112,19 @@ def _user_loops_case(rank, world_size):
     for stage in STAGES:
         for opt_name in OPTIMIZERS:
             ref_losses, ref_state, _ = _loop(rank, world_size, stage, opt_name, "engine.zero_grad")
-            for clear in CLEARS:
+            # Every way of clearing under SGD (which shows any gradient error at once); under
+            # AdamW the two that replace engine.zero_grad() by torch idioms.
+            clears = CLEARS if opt_name == "sgd" else ("model.zero_grad", "torch_optimizer.zero_grad")
+            for clear in clears:
                 if clear == "engine.zero_grad":
                     continue
                 losses, state, _ = _loop(rank, world_size, stage, opt_name, clear)
                 assert torch.equal(losses, ref_losses) and _same(state, ref_state), (
                     f"stage {stage} {opt_name} {clear}: params differ by {_max_diff(state, ref_state):.3g}")
-            # plain loss.backward() instead of engine.backward, with a user clear
-            losses, state, _ = _loop(rank, world_size, stage, opt_name, "model.zero_grad", plain_backward=True)
+            # The outside training loop: its own torch optimizer over model.parameters(), its
+            # zero_grad(), plain loss.backward(); only the step is the engine's.
+            losses, state, _ = _loop(rank, world_size, stage, opt_name, "torch_optimizer.zero_grad",
+                                     plain_backward=True)
             assert torch.equal(losses, ref_losses) and _same(state, ref_state), (stage, opt_name, "loss.backward")
         # accumulation under no_sync, cleared by model.zero_grad() only
         ref = _loop(rank, world_size, stage, "sgd", "engine.zero_grad", micro=2)

@@ -7,8 +7,10 @@
   (which is a view into the bucket's flat gradient buffer), so the bucket knows one more
   of its members is final;
 * optionally a gradient pre-hook (`Tensor.register_hook`): fires just before that
-  accumulation, the last moment to give the parameter a `.grad` view into storage that
-  is allocated only when needed (stage 2 frees full-size gradients between backwards).
+  accumulation, once per bucket and backward (`on_first_grad`), the last moment to give
+  the parameters `.grad` views into storage that is allocated only when needed (stage 2
+  frees full-size gradients between backwards) and to take over what user code did to
+  `.grad` since the last backward (core/user_grads.py [Note: param.grad belongs to the user]).
 
 Buckets are released to the stage strictly in bucket order (`FlatParam.index`), as
 DDP does: a bucket that fills early waits for the ones before it. That keeps the
