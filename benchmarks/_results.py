@@ -122,9 +122,9 @@ def clean_transcript(text: str) -> str:
 def record(out: Path, command: list[str]) -> int:
     """Run `command` from the repository root; write provenance + its cleaned output to `out`."""
     prov = provenance(" ".join(shlex.quote(c) for c in command))
-    done = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          errors="replace")
-    body = clean_transcript(done.stdout)
+    # Bytes, decoded here: text mode's universal newlines would turn every progress-bar "\r" into a line.
+    done = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    body = clean_transcript(done.stdout.decode("utf-8", errors="replace"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(provenance_lines(prov, prefix="# ")) + f"\n# exit status: {done.returncode}\n\n" + body)
     sys.stdout.write(body)

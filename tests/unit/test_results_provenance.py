@@ -38,11 +38,12 @@ def test_transcript_keeps_what_a_terminal_finally_shows():
 def test_record_writes_provenance_then_output_and_returns_the_status(tmp_path):
     """`record OUT -- cmd`: '#' provenance lines, the exit status, then the command's output; its status is returned."""
     out = tmp_path / "t.txt"
-    status = _results.main(["record", str(out), "--", sys.executable, "-c", "print('hello'); raise SystemExit(3)"])
+    script = "import sys; sys.stdout.write('step 1\\rstep 2\\n'); print('hello'); raise SystemExit(3)"
+    status = _results.main(["record", str(out), "--", sys.executable, "-c", script])
     assert status == 3
     text = out.read_text()
     header, body = text.split("\n\n", 1)
     assert all(line.startswith("# ") for line in header.splitlines())
     for key in ("command", "date", "commit", "machine", "versions", "exit status: 3"):
         assert key in header, key
-    assert body == "hello\n"
+    assert body == "step 2\nhello\n"
