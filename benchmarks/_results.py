@@ -44,7 +44,7 @@ def git_commit(repo: Path = REPO) -> str:
 
 
 def machine() -> dict:
-    """Host, OS, CPU model and count, GPUs (names; empty without CUDA)."""
+    """Host, OS, CPU model and count, GPUs (names; empty without CUDA), load average at the start."""
     cpu_model = None
     try:
         with open("/proc/cpuinfo") as f:
@@ -52,7 +52,9 @@ def machine() -> dict:
     except OSError:
         pass
     info = {"hostname": socket.gethostname(), "platform": platform.platform(),
-            "cpu_model": cpu_model or platform.processor() or None, "cpu_count": os.cpu_count(), "gpus": []}
+            "cpu_model": cpu_model or platform.processor() or None, "cpu_count": os.cpu_count(), "gpus": [],
+            # other work on the machine when the run started (timings on a busy machine are slower)
+            "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
     try:
         import torch
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -103,7 +105,8 @@ def provenance_lines(record: dict, prefix: str = "- ") -> list[str]:
                                                                        if m["gpus"] else "")
     ver = ", ".join(f"{k} {val}" for k, val in v.items() if val is not None)
     return [f"{prefix}command (from the repository root): `{record['command']}`", f"{prefix}date: {record['date']}",
-            f"{prefix}commit: {record['commit']}", f"{prefix}machine: {hw}; {m['platform']} ({m['hostname']})",
+            f"{prefix}commit: {record['commit']}",
+            f"{prefix}machine: {hw}; {m['platform']} ({m['hostname']}); load average {m['load_average_1min']}",
             f"{prefix}versions: {ver}"]
 
 
