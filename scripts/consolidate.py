@@ -6,6 +6,9 @@ The output has exactly the unwrapped model's state_dict keys (tied names each ho
 copy), with fp32 master values for trained parameters: what `engine.state_dict(full=True)`
 returns, loadable with `model.load_state_dict(safetensors.torch.load_file(OUT))`. No process
 group and no GPU are needed; optimizer state is left out (resume from the directory itself).
+It reads the snapshot CHECKPOINT_DIR/current.json names, after checking meta.json and the model
+file against their sha256 (zerokit/checkpoint.py [Note: checksums]); a missing, corrupted or
+old-format checkpoint exits with status 2 and one line naming the file, and OUT is not written.
 """
 from __future__ import annotations
 
