@@ -128,7 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     record = provenance(command_line(__file__, argv))
     record["torch_threads"] = torch.get_num_threads()
-    record["load_average_at_start"] = os.getloadavg()  # other work on the machine slows every figure alike
 
     speeds = hash_speeds(args.buffer_mib << 20, args.repeats)
     print(f"{'hash':>10} {'GB/s':>6} {'s/GB':>6}")
@@ -156,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 def _markdown(r: dict) -> str:
     c = r["checkpoint"]
     lines = ["# What checkpoint checksums cost per GB", "", *provenance_lines(r),
-             f"- torch threads: {r['torch_threads']}; median of {r['repeats']} rounds after one warm-up; load "
-             f"average at the start {', '.join(f'{x:.1f}' for x in r['load_average_at_start'])}", "",
+             f"- torch threads: {r['torch_threads']}; median of {r['repeats']} rounds after one warm-up", "",
              f"## Hash speed in memory ({r['buffer_bytes'] >> 20} MiB buffer)", "",
              "| hash | GB/s | s per GB | |", "|---|---|---|---|"]
     for name, gbps in r["hash_gb_per_s"].items():
