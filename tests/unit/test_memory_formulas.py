@@ -45,7 +45,7 @@ def test_lecture_table_7_5b_params_on_64_ranks():
 
 
 def test_lecture_formula_strings_for_mixed_adam():
-    """per_rank_formula spells DESIGN's column: 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N."""
+    """per_rank_formula spells the design's (docs/design.md) column: 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N."""
     assert [per_rank_formula(s) for s in range(4)] == ["16Ψ", "4Ψ+12Ψ/N", "2Ψ+14Ψ/N", "16Ψ/N"]
     assert [per_rank_formula(s, "fp32") for s in range(4)] == ["16Ψ", "8Ψ+8Ψ/N", "4Ψ+12Ψ/N", "16Ψ/N"]
 
@@ -55,7 +55,7 @@ def test_lecture_formula_strings_for_mixed_adam():
 @fast
 @given(psi=psis, n=world_sizes)
 def test_mixed_adam_matches_design_table_at_padded_shards(psi, n):
-    """bf16/fp16 + Adam: every category equals DESIGN's formula with Ψ/N replaced by ceil(Ψ/N)."""
+    """bf16/fp16 + Adam: every category equals the design's (docs/design.md) formula with Ψ/N replaced by ceil(Ψ/N)."""
     s = ceil_div(psi, n)
     for precision in ("bf16", "fp16"):
         expected = {  # (params, grads, master, states) per stage
@@ -85,7 +85,7 @@ def test_fp32_adam_has_no_master_copy_and_matches_design(psi, n):
 @fast
 @given(psi=psis, n=world_sizes, stage=stages)
 def test_padding_costs_less_than_one_element_per_rank(psi, n, stage):
-    """The padded estimate exceeds DESIGN's real-valued formula by less than one element's sharded bytes."""
+    """The padded estimate exceeds the design's (docs/design.md) real-valued formula by less than one element's sharded bytes."""
     est = estimate(psi, n, stage)
     sharded = {0: 0, 1: 12, 2: 14, 3: 16}[stage]  # bytes per param that stage shards
     exact = Fraction(16 - sharded) * psi + Fraction(sharded * psi, n)

@@ -36,7 +36,7 @@ buffers (one needs gradients, the other does not), so each is padded on its own.
 What is not here. Activations are not model states and no ZeRO stage shards them: they grow with
 batch size and sequence length; `activation_bytes_estimate` gives a rough figure for zerokit's GPT.
 Stage 3 also holds its working set, the unsharded units being computed and prefetched (see
-DESIGN.md); communication buffers, the CUDA context and allocator fragmentation are not counted.
+docs/design.md); communication buffers, the CUDA context and allocator fragmentation are not counted.
 """
 from __future__ import annotations
 
