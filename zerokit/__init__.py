@@ -53,9 +53,14 @@ DEFAULT_BUCKET_NUMEL = 1 << 22  # 4 Mi elements: 16 MiB of fp32 gradient per buc
 def init_distributed(backend: str | None = None, timeout_s: float = 600) -> tuple[int, int]:
     """Join the process group torchrun describes (env://); return (rank, world_size).
 
-    nccl when CUDA is available, else gloo. Without torchrun's environment (no
-    WORLD_SIZE) nothing is initialised and (0, 1) is returned: every zerokit collective
-    is then an identity.
+    nccl when CUDA is available, else gloo. `timeout_s`: how long a collective waits for
+    the other ranks before it fails (a rank that stopped, or ran fewer steps). Without
+    torchrun's environment (no WORLD_SIZE) nothing is initialised and (0, 1) is returned:
+    every zerokit collective is then an identity.
+
+    Call `torch.distributed.destroy_process_group()` when done, on every path (try/finally);
+    a group still alive when Python exits is destroyed by an atexit hook registered here,
+    before the interpreter is torn down. See zerokit/launch.py [Note: process-group teardown].
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -65,7 +70,16 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600) -> tupl
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # Before the group exists: imported later (torch.optim imports it on first use), its
+    # `group=group.WORLD` defaults would hold the group past destroy_process_group().
+    importlib.import_module("torch.distributed.nn")
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    import atexit
+
+    def destroy_at_exit() -> None:  # runs while the interpreter is whole, unlike the group's own destructor
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    atexit.register(destroy_at_exit)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -3,16 +3,45 @@
 `run_ranks(fn, world_size, *args)` spawns one process per rank, makes them rendezvous
 through a file in a fresh temporary directory (no fixed port, so parallel runs never
 collide), calls `fn(rank, world_size, *args)` on each, and returns every rank's return
-value (rank order). If a rank raises, the others are stopped and its traceback is
-re-raised here; if the ranks do not all finish within `timeout_s`, they are killed and
-a TimeoutError names the ones still running. Under torchrun none of this is used:
-`zk.init_distributed()` reads the environment instead.
+value (rank order). If a rank raises, the others are stopped and a RankFailed is raised
+here: its message holds every failing rank's traceback, the root cause first, and its
+attributes the root cause alone (`rank`, `message`, `user_error`) for a one-line report.
+If the ranks do not all finish within `timeout_s`, they are stopped and a TimeoutError
+names the ones still running. Under torchrun none of this is used: `zk.init_distributed()`
+reads the environment instead.
+
+[Note: process-group teardown]
+A gloo process group owns threads (two `pt_gloo_runloop` workers, a `gloo_tcp_loop`).
+If they are still running when the process exits, the rank can die with "terminate
+called without an active exception" (SIGABRT) after its work is done — typically the
+rank that exits first, when its peer's exit closes their connection. Two things kept
+them running:
+* `destroy_process_group()` skipped on a path (an exception, Ctrl-C);
+* a reference to the group held past `destroy_process_group()`: torch.distributed.nn's
+  functions take `group=group.WORLD` as a default argument, evaluated when the module is
+  imported. Building the first torch optimizer imports it (through torch._dynamo), and
+  zerokit builds it after the group exists, so the default group was captured, destroy
+  only unregistered it, and its threads lived on to interpreter exit. Importing
+  torch.distributed.nn before the group is created makes those defaults None.
+So every rank imports torch.distributed.nn before `init_process_group` (here and in
+`zk.init_distributed`) and tears down in one order on every path (return, exception,
+Ctrl-C): fn returns or raises; its frames, the engine, its hooks and collective handles
+are released (`gc.collect()`: hooks make reference cycles); `destroy_process_group()`
+stops the gloo threads; only then does the process exit.
+
+[Note: Ctrl-C]
+Ctrl-C belongs to the parent: ranks ignore SIGINT (a terminal sends it to the whole
+process group) and the parent stops them with SIGTERM, which each rank turns into one
+exception, so it unwinds through the same teardown. A rank still running after
+STOP_GRACE_S is killed.
 """
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import queue as queue_module
+import signal
 import tempfile
 import time
 import traceback
@@ -21,15 +50,50 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401 -- before any group exists: see [Note: process-group teardown]
 import torch.multiprocessing as mp
+
+EXIT_GRACE_S = 60.0  # after every rank returned: how long they get to exit before they are killed
+STOP_GRACE_S = 15.0  # after a failure or Ctrl-C: how long ranks get to tear down (about 2 s) before they are killed
 
 
 class RankFailed(RuntimeError):
-    pass
+    """A rank raised (or died). str() holds every failing rank's traceback, the root cause first.
+
+    `rank`, `world_size`: the root-cause rank (None when it died without a report);
+    `message`: that rank's exception as it would print (`str(exc)`); `exc_type`: its class
+    name; `user_error`: whether it is ValueError / TypeError / OSError, the kinds zerokit
+    raises for bad input, which the CLI reports as one line.
+    """
+
+    def __init__(self, text: str, rank: int | None = None, world_size: int | None = None, message: str = "",
+                 exc_type: str = "", user_error: bool = False):
+        super().__init__(text)
+        self.rank, self.world_size = rank, world_size
+        self.message, self.exc_type, self.user_error = message or text, exc_type, user_error
+
+
+class _Stopped(KeyboardInterrupt):
+    """Raised in a rank by the parent's SIGTERM (Ctrl-C in the parent, or another rank failed)."""
+
+
+def _on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one exception per rank; teardown must not be interrupted
+    raise _Stopped("stopped by the parent (Ctrl-C, or another rank failed)")
+
+
+def _error_report(exc: BaseException) -> dict:
+    return {"traceback": traceback.format_exc(), "exc_type": type(exc).__name__, "message": str(exc),
+            "user_error": isinstance(exc, (ValueError, TypeError, OSError)),
+            "stopped": isinstance(exc, KeyboardInterrupt)}
 
 
 def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s: float, threads: int,
             fn: Callable, args: tuple, results) -> None:
+    # See [Note: process-group teardown] and [Note: Ctrl-C].
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    report = None
     try:
         torch.set_num_threads(threads)  # N ranks share the machine's cores
         if backend == "nccl":
@@ -37,37 +101,48 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s:
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
         try:
-            value = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        # Plain pickle to bytes: tensors travel by value, not as shared-memory handles that
-        # would die with this process before the parent reads them.
-        results.put((rank, "ok", pickle.dumps(value)))
-    except BaseException:  # report every failure, then exit non-zero
-        results.put((rank, "error", traceback.format_exc()))
+            # Plain pickle to bytes: tensors travel by value, not as shared-memory handles that
+            # would die with this process before the parent reads them.
+            report = (rank, "ok", pickle.dumps(fn(rank, world_size, *args)))
+        except BaseException as exc:  # noqa: BLE001 -- reported to the parent, then this rank exits non-zero
+            report = (rank, "error", _error_report(exc))
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # teardown runs to the end (the parent kills after a grace)
+        gc.collect()  # hooks make the engine a reference cycle: free it while the group still exists
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 -- a failure outside fn (init, teardown)
+        if report is None or report[1] == "ok":
+            report = (rank, "error", _error_report(exc))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    results.put(report)
+    if report[1] != "ok":
         raise SystemExit(1)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120.0, backend: str = "gloo",
-              threads_per_rank: int | None = None, store_dir: str | None = None) -> list[Any]:
+              threads_per_rank: int | None = None, store_dir: str | None = None,
+              collective_timeout_s: float | None = None) -> list[Any]:
     """Call fn(rank, world_size, *args) on `world_size` fresh processes; return their results in rank order.
 
+    `timeout_s`: deadline for the whole run; `collective_timeout_s`: the process group's
+    timeout, how long one collective waits for the other ranks (default `timeout_s`).
     `store_dir`: where the rendezvous file goes (tests pass pytest's tmp_path); default a
     fresh temporary directory.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    pg_timeout_s = timeout_s if collective_timeout_s is None else collective_timeout_s
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="zerokit-rdzv-", dir=store_dir) as tmp:
         init_file = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, backend, timeout_s, threads, fn, args,
-                                                   results), daemon=True)
+        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, backend, pg_timeout_s, threads, fn,
+                                                   args, results), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()
         values: dict[int, Any] = {}
+        finished = False
         deadline = time.monotonic() + timeout_s
         try:
             while len(values) < world_size:
@@ -85,32 +160,62 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
                         try:
                             rank, status, value = results.get(timeout=2.0)
                         except queue_module.Empty:
-                            raise RankFailed(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
-                                             "without a traceback") from None
+                            code = procs[dead[0]].exitcode
+                            raise RankFailed(f"rank {dead[0]} exited with code {code} without a traceback",
+                                             rank=dead[0], world_size=world_size) from None
                     else:
                         continue
                 if status == "error":
-                    raise RankFailed(_describe_failures(world_size, {rank: value}, results))
+                    raise _rank_failed(world_size, {rank: value}, results)
                 values[rank] = pickle.loads(value)
+            finished = True
         finally:
-            for p in procs:
-                p.join(timeout=5)
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+            _stop(procs, results if not finished else None)
+    # Every rank returned its result; one that then died on the way out (an abort at
+    # interpreter exit, see [Note: process-group teardown]) is a failure all the same.
+    unclean = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+    if unclean:
+        r, code = unclean[0]
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+        raise RankFailed(f"rank {r} returned its result, then exited with {how} (exit codes: "
+                         f"{[p.exitcode for p in procs]})", rank=r, world_size=world_size)
     return [values[r] for r in range(world_size)]
+
+
+def _stop(procs: list, results) -> None:
+    """Wait for the ranks to exit; after a failure or Ctrl-C (`results` given) ask them first (SIGTERM).
+
+    The queue is drained meanwhile: a rank blocks at exit until what it put is read.
+    """
+    if results is not None:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()  # SIGTERM: the rank raises _Stopped and tears down (see _worker)
+    deadline = time.monotonic() + (STOP_GRACE_S if results is not None else EXIT_GRACE_S)
+    for p in procs:
+        while p.is_alive() and time.monotonic() < deadline:
+            p.join(timeout=0.05)
+            if results is not None:
+                try:
+                    while True:
+                        results.get_nowait()
+                except (queue_module.Empty, OSError, EOFError, ValueError):
+                    pass
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 _KNOCK_ON = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
-def _describe_failures(world_size: int, errors: dict[int, str], results, grace_s: float = 2.0) -> str:
-    """All failing ranks' tracebacks, the root cause first.
+def _rank_failed(world_size: int, errors: dict[int, dict], results, grace_s: float = 2.0) -> RankFailed:
+    """A RankFailed holding all failing ranks' tracebacks, the root cause first and in its attributes.
 
     When one rank raises, its peers fail moments later inside a collective ("connection
     reset by peer"); collect those for a short grace period and list them after the
-    rank whose failure was not such a knock-on effect.
+    rank whose failure was not such a knock-on effect (nor a stop asked by this parent).
     """
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and len(errors) < world_size:
@@ -120,5 +225,9 @@ def _describe_failures(world_size: int, errors: dict[int, str], results, grace_s
             break
         if status == "error":
             errors[rank] = value
-    order = sorted(errors, key=lambda r: (any(m in errors[r] for m in _KNOCK_ON), r))
-    return "\n".join(f"rank {r} of {world_size} failed:\n{errors[r]}" for r in order)
+    order = sorted(errors, key=lambda r: (errors[r]["stopped"],
+                                          any(m in errors[r]["traceback"] for m in _KNOCK_ON), r))
+    text = "\n".join(f"rank {r} of {world_size} failed:\n{errors[r]['traceback']}" for r in order)
+    root = errors[order[0]]
+    return RankFailed(text, rank=order[0], world_size=world_size, message=root["message"],
+                      exc_type=root["exc_type"], user_error=root["user_error"])
