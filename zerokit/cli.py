@@ -1,12 +1,29 @@
 """The `zerokit` command line: one subcommand per module, imported only when chosen.
 
-Each command module defines `add_arguments(parser)` and `run(args) -> int`.
+Each command module defines `add_arguments(parser)` and `run(args) -> int`, and types its
+numeric options with `int_in_range` / `float_in_range` below, so a number out of range is
+refused by argparse (exit 2) with the valid range in the message, before anything runs.
+
+Errors: a user mistake found while running — an unknown model, a missing or refused
+checkpoint, found here or inside a rank — raises ValueError, TypeError or OSError; `main`
+prints it as one line on stderr and returns 1. `--verbose` (or ZEROKIT_VERBOSE=1) prints the
+full traceback instead, every failing rank's. Any other exception is a bug and always
+keeps its traceback. Ctrl-C returns 130 and SIGTERM 143, after every `finally` has run (the
+process group is destroyed); an error caused by the signal (a peer left a collective) is
+reported as the interruption.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
+import re
+import signal
 import sys
+import threading
+import traceback
+from typing import Callable
 
 # name -> (module, one-line help). Order is the order `zerokit --help` lists them.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -18,6 +35,138 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "formats": ("zerokit.formats", "fp32 / fp16 / bf16 bit layouts and limits; --underflow measures gradients"),
 }
 
+# Exceptions zerokit raises for bad user input (see the style guide: ValueError / TypeError
+# naming the fix; OSError for a path that cannot be read or written).
+USER_ERRORS = (ValueError, TypeError, OSError)
+
+
+# ----------------------------------------------------------------------------- argument types
+def _range_text(low: float | None, high: float | None, low_open: bool = False) -> str:
+    if high is None:
+        return f"{'>' if low_open else '>='} {low:g}"
+    if low is None:
+        return f"<= {high:g}"
+    return f"between {low:g} and {high:g}"
+
+
+def int_in_range(low: int | None = None, high: int | None = None) -> Callable[[str], int]:
+    """An argparse `type=`: an integer in [low, high] (None: unbounded); the error names the range."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be an integer {_range_text(low, high)}, got {value}")
+        return value
+    parse.__name__ = "int"  # argparse names the type in its own messages
+    return parse
+
+
+def float_in_range(low: float | None = None, high: float | None = None, *,
+                   low_open: bool = False) -> Callable[[str], float]:
+    """An argparse `type=`: a finite float in [low, high], or (low, ...] with low_open; the error names the range."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if value != value or value in (float("inf"), float("-inf")) or too_low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be a number {_range_text(low, high, low_open)}, got {text}")
+        return value
+    parse.__name__ = "float"
+    return parse
+
+
+positive_int = int_in_range(1)
+non_negative_int = int_in_range(0)
+non_negative_float = float_in_range(0.0)
+positive_float = float_in_range(0.0, low_open=True)
+
+
+# ----------------------------------------------------------------------------- errors
+def verbose_requested(args: argparse.Namespace | None = None) -> bool:
+    """--verbose on the command line, or ZEROKIT_VERBOSE set to anything but '' or '0'."""
+    return bool(getattr(args, "verbose", False)) or os.environ.get("ZEROKIT_VERBOSE", "") not in ("", "0")
+
+
+def one_line(message: str) -> str:
+    """A multi-line error message on one line; per-rank lines that say the same thing are merged.
+
+    "cannot load X:\n  rank 0: f is corrupted\n  rank 1: f is corrupted" becomes
+    "cannot load X: ranks 0, 1: f is corrupted".
+    """
+    parts, ranks_of = [], {}
+    for line in str(message).splitlines():
+        line = line.strip()
+        match = re.fullmatch(r"rank (\d+): (.*)", line)
+        if match is None:
+            if line:
+                parts.append(line)
+        elif match.group(2) in ranks_of:
+            ranks_of[match.group(2)].append(match.group(1))
+        else:
+            ranks_of[match.group(2)] = [match.group(1)]
+            parts.append(match.group(2))
+    for i, part in enumerate(parts):
+        if part in ranks_of:
+            ranks = ranks_of[part]
+            parts[i] = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {part}"
+    text = ""
+    for part in parts:
+        text += part if not text else (" " if text.endswith(":") else "; ") + part
+    return text.removeprefix("zerokit: ")
+
+
+def report_error(command: str, exc: BaseException, verbose: bool) -> int:
+    """Print `exc` for the user; return the exit status (1)."""
+    from zerokit.launch import RankFailed
+
+    if isinstance(exc, RankFailed):  # a rank's failure, carried back by zerokit.launch
+        if verbose or not exc.user_error:
+            print(str(exc), file=sys.stderr)
+            return 1
+        where = f" (rank {exc.rank} of {exc.world_size})" if exc.rank is not None else ""
+        print(f"zerokit {command}: error{where}: {one_line(exc.message)}", file=sys.stderr)
+        return 1
+    if verbose or not isinstance(exc, USER_ERRORS):
+        traceback.print_exception(exc, file=sys.stderr)
+        return 1
+    print(f"zerokit {command}: error: {one_line(exc)}", file=sys.stderr)
+    return 1
+
+
+class _Signalled(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) or SIGTERM (torchrun stopping the other ranks after one failed)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """SIGINT and SIGTERM raise _Signalled in the main thread, so every `finally` runs (the process
+    group is destroyed); the signal is remembered, so an error it causes (a collective whose peer
+    left) is reported as the interruption it is."""
+    received: list[int] = []
+
+    def handler(signum, frame):
+        received.append(signum)
+        for s in (signal.SIGINT, signal.SIGTERM):  # once: a second Ctrl-C must not cut the teardown short
+            signal.signal(s, signal.SIG_IGN)
+        raise _Signalled(signum)
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -28,12 +177,26 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
             importlib.import_module(module_name).add_arguments(p)
+            p.add_argument("--verbose", action="store_true",
+                           help="on an error, print full tracebacks (every failing rank's) instead of one line; "
+                                "also ZEROKIT_VERBOSE=1")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
     module = importlib.import_module(COMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    with _signals_raise() as received:
+        try:
+            return int(module.run(args) or 0)
+        except (KeyboardInterrupt, Exception) as exc:  # noqa: BLE001 -- reported here, see the module docstring
+            signum = received[0] if received else (signal.SIGINT if isinstance(exc, KeyboardInterrupt) else None)
+            if signum is None:
+                return report_error(args.command, exc, verbose_requested(args))
+            if verbose_requested(args):
+                traceback.print_exception(exc, file=sys.stderr)
+            print(f"zerokit {args.command}: {'interrupted' if signum == signal.SIGINT else 'stopped'} "
+                  f"({signal.Signals(signum).name})", file=sys.stderr)
+            return 128 + signum
 
 
 if __name__ == "__main__":

@@ -48,23 +48,41 @@ MODEL_STATES = ("params", "grads", "master_params", "optimizer_states")
 LABELS = {"params": "params", "grads": "grads", "master_params": "fp32 master", "optimizer_states": "optimizer states"}
 
 
+def stage_list(text: str) -> list[int]:
+    """An argparse `type=` for --stages: comma-separated stages, each 0-3, e.g. "0,2,3"."""
+    import zerokit as zk
+
+    try:
+        stages = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 0,2,3, got {text!r}") from None
+    bad = [s for s in stages if s not in zk.STAGES]
+    if bad or not stages:
+        raise argparse.ArgumentTypeError(f"each stage must be between {min(zk.STAGES)} and {max(zk.STAGES)}, "
+                                         f"got {text!r}")
+    return list(dict.fromkeys(stages))  # in the order given, once each
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc", type=int, default=2, help="gloo ranks to spawn (default 2)")
-    p.add_argument("--steps", type=int, default=50, help="optimizer steps per run (default 50)")
+    from zerokit.cli import non_negative_float, positive_float, positive_int
+
+    p.add_argument("--nproc", type=positive_int, default=2, help="gloo ranks to spawn (>= 1, default 2)")
+    p.add_argument("--steps", type=positive_int, default=50, help="optimizer steps per run (>= 1, default 50)")
     p.add_argument("--model", default="small", help="model preset: tiny or small (default small)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="precision of zerokit's stages; torch DDP always runs fp32 (default fp32)")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--clip", type=float, default=0.0,
+    p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per rank per step (>= 1, default 8)")
+    p.add_argument("--lr", type=non_negative_float, default=3e-3)
+    p.add_argument("--clip", type=non_negative_float, default=0.0,
                    help="global gradient-norm clip, 0 = off (default off: zerokit and torch compute the norm in "
                         "different orders, so clipping alone makes them differ in the last bits)")
-    p.add_argument("--bucket-numel", type=int, default=1 << 16,
+    p.add_argument("--bucket-numel", type=positive_int, default=1 << 16,
                    help="elements per gradient bucket (default 65536: several buckets for the small model)")
-    p.add_argument("--stages", default="0,1,2,3", help="comma-separated stages to run (those that exist)")
+    p.add_argument("--stages", type=stage_list, default=[0, 1, 2, 3],
+                   help="comma-separated stages to run, each 0-3 (default 0,1,2,3); torch DDP always runs")
     p.add_argument("--out", type=Path, default=Path("out/compare"), help="directory for compare.json and compare.png")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=1800, help="seconds before the ranks are killed")
+    p.add_argument("--timeout", type=positive_float, default=1800, help="seconds before the ranks are killed")
 
 
 def available_stages(wanted: list[int]) -> tuple[list[int], dict[int, str]]:
@@ -349,14 +367,8 @@ def run(args: argparse.Namespace) -> int:
     from zerokit.models import PRESETS
 
     if args.model not in PRESETS:
-        raise SystemExit(f"zerokit compare: unknown --model {args.model!r}; presets: {', '.join(PRESETS)}")
-    if args.nproc < 1 or args.steps < 1 or args.batch_size < 1:
-        raise SystemExit("zerokit compare: --nproc, --steps and --batch-size must be >= 1")
-    try:
-        wanted = [int(s) for s in args.stages.split(",") if s.strip()]
-    except ValueError:
-        raise SystemExit(f"zerokit compare: --stages must be comma-separated integers, got {args.stages!r}") from None
-    stages, skipped = available_stages(wanted)
+        raise ValueError(f"unknown --model {args.model!r}; presets: {', '.join(PRESETS)}")
+    stages, skipped = available_stages(args.stages)
     for stage, why in skipped.items():
         print(f"stage {stage} skipped: {why}")
     cfg = {"model": args.model, "nproc": args.nproc, "steps": args.steps, "precision": args.precision,

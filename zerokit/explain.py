@@ -151,10 +151,12 @@ def render(report: dict) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from zerokit.cli import positive_int
+
     p.add_argument("--model", required=True, help="model preset (tiny, small, gpt2-small, gpt2-medium, gpt2-xl)")
-    p.add_argument("--world-size", type=int, required=True, metavar="N")
+    p.add_argument("--world-size", type=positive_int, required=True, metavar="N", help="number of ranks N (>= 1)")
     p.add_argument("--stage", type=int, required=True, choices=(0, 1, 2, 3))
-    p.add_argument("--bucket-numel", type=int, default=None, metavar="K",
+    p.add_argument("--bucket-numel", type=positive_int, default=None, metavar="K",
                    help="elements per bucket (stages 0-2; default zk.shard's)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adam",
@@ -170,10 +172,6 @@ def run(args: argparse.Namespace) -> int:
 
     if args.model not in PRESETS:
         raise SystemExit(f"zerokit explain: unknown --model {args.model!r}; presets: {', '.join(PRESETS)}")
-    if args.world_size < 1:
-        raise SystemExit(f"zerokit explain: --world-size must be >= 1, got {args.world_size}")
-    if args.bucket_numel is not None and args.bucket_numel < 1:
-        raise SystemExit(f"zerokit explain: --bucket-numel must be >= 1, got {args.bucket_numel}")
     report = layout_report(args.model, args.world_size, args.stage, args.bucket_numel, args.precision,
                            args.optimizer, args.no_decay, args.lora)
     for line in render(report):

@@ -382,13 +382,15 @@ def plot_histogram(result: dict[str, Any], path: Path) -> None:
 # ---------------------------------------------------------------- command line
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from zerokit.cli import positive_int
+
     parser.add_argument("--values", type=float, nargs="+", default=list(DEFAULT_VALUES),
                         help="values to show in every format (default: %(default)s)")
     parser.add_argument("--underflow", action="store_true",
                         help="train the tiny GPT in fp32 and measure how its activation gradients fare in fp16")
-    parser.add_argument("--steps", type=int, default=30, help="training steps for --underflow")
+    parser.add_argument("--steps", type=positive_int, default=30, help="training steps for --underflow (>= 1)")
     parser.add_argument("--model", default="tiny", help="model preset for --underflow")
-    parser.add_argument("--batch-size", type=int, default=16, help="batch size for --underflow")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="batch size for --underflow (>= 1)")
     parser.add_argument("--out", type=Path, default=Path("out/formats"), help="where --underflow writes PNG and JSON")
 
 

@@ -124,12 +124,14 @@ def render_table(rows: list[dict[str, Any]], unit: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from zerokit.cli import positive_int
+
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=parse_count, metavar="P",
                       help="parameter count Ψ, e.g. 7.5e9 or 7.5B")
     what.add_argument("--model", metavar="NAME",
                       help="take Ψ from a models.py preset (tiny, small, gpt2-small, gpt2-medium, gpt2-xl)")
-    parser.add_argument("--world-size", type=int, required=True, metavar="N", help="number of ranks N")
+    parser.add_argument("--world-size", type=positive_int, required=True, metavar="N", help="number of ranks N (>= 1)")
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16",
                         help="fp32, or mixed precision bf16/fp16 with fp32 master weights (default bf16)")
     parser.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adam",
@@ -142,7 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "for one training step (needs --model and --stage)")
     parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), metavar="S",
                         help="with --simulate: the ZeRO stage to measure")
-    parser.add_argument("--seq-len", type=int, default=8, metavar="T",
+    parser.add_argument("--seq-len", type=positive_int, default=8, metavar="T",
                         help="with --simulate: tokens in the one training sequence (default 8)")
     parser.add_argument("--device", default=None,
                         help="with --simulate: where the model lives (default cuda if available, else cpu)")
@@ -250,8 +252,6 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.world_size < 1:
-        raise SystemExit(f"zerokit memory: --world-size must be >= 1, got {args.world_size}")
     if args.simulate:
         return run_simulate(args)
     if args.stage is not None:

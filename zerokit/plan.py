@@ -285,27 +285,25 @@ def plan(num_params: int | float, num_gpus: int, gpu_memory_bytes: int, bf16: bo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from zerokit.cli import positive_int
+
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=parse_count, metavar="P", help="parameter count Ψ, e.g. 7.5e9 or 7.5B")
     what.add_argument("--model", metavar="NAME",
                       help="a models.py preset (tiny, small, gpt2-small, gpt2-medium, gpt2-xl): Ψ and shape")
-    parser.add_argument("--gpus", type=int, required=True, metavar="G", help="number of GPUs")
+    parser.add_argument("--gpus", type=positive_int, required=True, metavar="G", help="number of GPUs (>= 1)")
     parser.add_argument("--gpu-memory", type=parse_bytes, required=True, metavar="GB",
                         help="memory per GPU: a number is GB (10^9 bytes); 80GiB for binary units")
     parser.add_argument("--no-bf16", action="store_true",
                         help="the GPU has no bf16 (pre-Ampere): fp16 with a loss scaler")
-    parser.add_argument("--batch-size", type=int, default=1, metavar="B",
+    parser.add_argument("--batch-size", type=positive_int, default=1, metavar="B",
                         help="per-GPU batch the checks are made at (default 1, as the lecture says)")
-    parser.add_argument("--seq-len", type=int, metavar="S",
+    parser.add_argument("--seq-len", type=positive_int, metavar="S",
                         help=f"tokens per sequence (default: the model's block_size, else {DEFAULT_SEQ_LEN})")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the plan as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("gpus", "batch_size", "seq_len"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise SystemExit(f"zerokit plan: --{name.replace('_', '-')} must be >= 1, got {value}")
     precision = "fp16" if args.no_bf16 else "bf16"
     if args.model is not None:
         from zerokit import models  # lazy: torch is only needed when a preset is asked for

@@ -10,6 +10,8 @@ from that step, so the data batches pick up where the saved run stopped.
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
 import time
 
@@ -17,24 +19,30 @@ import torch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from zerokit.cli import non_negative_float, non_negative_int, positive_float, positive_int
+
     p.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3], help="ZeRO stage (0 = DDP)")
-    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun")
+    p.add_argument("--nproc", type=positive_int, default=2, help="ranks to spawn when not under torchrun (>= 1)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--reduce-dtype", default=None, choices=["fp32", "bf16", "fp16"],
                    help="dtype gradients are reduced in (default: the param dtype)")
     p.add_argument("--model", default="small", help="model preset (tiny, small, ...)")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-step")
-    p.add_argument("--accumulate", type=int, default=1, help="micro-steps per optimizer step (no_sync)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0 = off)")
-    p.add_argument("--bucket-numel", type=int, default=1 << 16)
-    p.add_argument("--prefetch", type=int, default=1, help="stage 3: units gathered ahead")
+    p.add_argument("--steps", type=positive_int, default=300, help="optimizer steps in total (>= 1)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per rank per micro-step (>= 1)")
+    p.add_argument("--accumulate", type=positive_int, default=1,
+                   help="micro-steps per optimizer step (no_sync; >= 1)")
+    p.add_argument("--lr", type=non_negative_float, default=3e-3)
+    p.add_argument("--weight-decay", type=non_negative_float, default=0.1)
+    p.add_argument("--clip", type=non_negative_float, default=1.0, help="global gradient-norm clip (0 = off)")
+    p.add_argument("--bucket-numel", type=positive_int, default=1 << 16)
+    p.add_argument("--prefetch", type=non_negative_int, default=1, help="stage 3: units gathered ahead")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters on q and v (r=8, alpha=1) only")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--timeout", type=positive_float, default=600, metavar="SECONDS",
+                   help="how long a collective waits for the other ranks before failing: the process-group "
+                        "timeout (default 600, as zk.init_distributed)")
     p.add_argument("--save", metavar="DIR", default=None,
                    help="write a sharded checkpoint (engine.save) into DIR after the last step")
     p.add_argument("--resume", metavar="DIR", default=None,
@@ -114,15 +122,53 @@ def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
     }
 
 
+def check_arguments(cfg: dict) -> None:
+    """The mistakes that can be found before any rank starts: raise ValueError naming the option and the fix.
+
+    Run in the parent before it spawns ranks (and, under torchrun, in every rank before the
+    process group exists), so a typo costs no spawn and prints one line.
+    """
+    from zerokit import checkpoint
+    from zerokit.models import PRESETS
+
+    if cfg["model"] not in PRESETS:
+        raise ValueError(f"unknown --model {cfg['model']!r}; presets: {', '.join(PRESETS)}")
+    if cfg.get("resume"):
+        resume = cfg["resume"]
+        if not os.path.isdir(resume):
+            raise ValueError(f"--resume {resume}: no such directory")
+        snapshot = checkpoint.committed_snapshot(resume)  # raises ValueError for a non-checkpoint
+        with open(os.path.join(snapshot, "meta.json")) as f:
+            extra = json.load(f).get("extra", {})
+        if "step" not in extra:
+            raise ValueError(f"--resume {resume}: its meta.json holds no training step; it was not written by "
+                             "`zerokit train --save`")
+        if extra.get("model", cfg["model"]) != cfg["model"]:
+            raise ValueError(f"--resume {resume} holds model {extra['model']!r}, this run builds {cfg['model']!r}: "
+                             f"pass --model {extra['model']}")
+        if int(extra["step"]) >= cfg["steps"]:
+            raise ValueError(f"--steps {cfg['steps']} is the total step count, and {resume} is already at step "
+                             f"{extra['step']}: pass a larger --steps")
+
+
 def _torchrun_entry(cfg: dict) -> list[dict] | None:
+    """One torchrun rank: join the group, train, gather every rank's summary; the group is destroyed on every path.
+
+    Teardown order (see zerokit/launch.py [Note: process-group teardown]): train_loop's frames, the
+    engine and its hooks are released and collected first, then the process group is
+    destroyed, all before this function returns, never at interpreter exit.
+    """
     import torch.distributed as dist
 
     import zerokit as zk
-    rank, world_size = zk.init_distributed()
-    summary = train_loop(rank, world_size, cfg)
-    everyone = [None] * world_size
-    dist.all_gather_object(everyone, summary)
-    dist.destroy_process_group()
+    rank, world_size = zk.init_distributed(timeout_s=cfg.get("timeout", 600))
+    try:
+        summary = train_loop(rank, world_size, cfg)
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, summary)
+    finally:
+        gc.collect()  # hooks make the engine a reference cycle: free it while the group still exists
+        dist.destroy_process_group()
     return everyone if rank == 0 else None
 
 
@@ -147,12 +193,14 @@ def report(summaries: list[dict], cfg: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = {k: v for k, v in vars(args).items() if k != "command"}
+    cfg = {k: v for k, v in vars(args).items() if k not in ("command", "verbose")}
+    check_arguments(cfg)
     if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         summaries = _torchrun_entry(cfg)
     elif args.nproc > 1:
         from zerokit.launch import run_ranks
-        summaries = run_ranks(train_loop, args.nproc, cfg, timeout_s=24 * 3600)
+        # The run may take a day; each collective still fails after --timeout seconds.
+        summaries = run_ranks(train_loop, args.nproc, cfg, timeout_s=24 * 3600, collective_timeout_s=cfg["timeout"])
     else:
         summaries = [train_loop(0, 1, cfg)]
     if summaries is not None:
