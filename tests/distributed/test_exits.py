@@ -1,0 +1,165 @@
+"""Clean exits on every path, under torchrun and under `zerokit train --nproc`: a normal end, an error inside
+a rank, Ctrl-C. See zerokit/launch.py [Note: process-group teardown] for the abort these guard against."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from zerokit.cli import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+TRAIN = ["-m", "zerokit", "train", "--model", "tiny"]
+ABORT = "terminate called"
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.pop("ZEROKIT_VERBOSE", None)
+    return env
+
+
+def _run(argv: list[str], timeout_s: float = 180) -> tuple[int, str]:
+    done = subprocess.run(argv, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout_s)
+    return done.returncode, done.stdout + done.stderr
+
+
+def _zerokit_frames(out: str) -> list[str]:
+    """Traceback lines inside zerokit's own files (torchrun's report of a failed child has frames of its own)."""
+    return [line for line in out.splitlines() if re.search(r'File ".*zerokit/[a-z_/]+\.py"', line)]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_torchrun_form_exits_cleanly(stage):
+    """`torchrun --standalone --nproc-per-node 2 -m zerokit train` ends with exit 0 and no rank aborting."""
+    rc, out = _run(TORCHRUN + TRAIN + ["--stage", str(stage), "--steps", "2", "--no-progress"])
+    assert rc == 0 and ABORT not in out, out
+    assert "loss: first" in out and "rank 1" in out, out
+
+
+_THREADS_SCRIPT = """
+import gc, os, torch, torch.distributed as dist
+import zerokit as zk
+from zerokit.models import Block, CharCorpus, build_model
+rank, world_size = zk.init_distributed()
+model = build_model("tiny")
+engine = zk.shard(model, torch.optim.AdamW, stage=int(os.environ["STAGE"]), wrap=(Block,), lr=1e-3)
+x, y = CharCorpus.load().batch(2, model.cfg.block_size, 0, rank, world_size)
+_, loss = engine(x, y)
+engine.backward(loss)
+engine.step()
+del engine, model, loss
+gc.collect()
+dist.destroy_process_group()
+names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+print(f"rank {rank} threads after destroy_process_group: {names}")
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through /proc (Linux)")
+@pytest.mark.parametrize("stage", [0, 3])
+def test_no_gloo_thread_outlives_destroy_process_group(tmp_path, stage):
+    """After zk.init_distributed, zk.shard (a torch optimizer) and a step, destroy_process_group stops gloo's threads.
+
+    Before the fix torch.distributed.nn, imported by the first optimizer after the group existed, held the
+    group in its default arguments: its threads ran on into interpreter exit, where ranks aborted."""
+    script = tmp_path / "threads.py"
+    script.write_text(_THREADS_SCRIPT)
+    env = _env()
+    env["STAGE"] = str(stage)
+    done = subprocess.run(TORCHRUN + [str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    out = done.stdout + done.stderr
+    reports = re.findall(r"rank (\d) threads after destroy_process_group: (.*)", out)
+    assert done.returncode == 0 and len(reports) == 2, out
+    for rank, names in reports:
+        assert "gloo" not in names, f"rank {rank}: {names}"
+
+
+@pytest.fixture(scope="module")
+def corrupt_checkpoint(tmp_path_factory):
+    """A 2-rank checkpoint of the tiny model with one byte flipped inside rank 1's file (refused at load)."""
+    directory = str(tmp_path_factory.mktemp("ckpt") / "run")
+    assert main(["train", "--model", "tiny", "--stage", "0", "--nproc", "2", "--steps", "1", "--no-progress",
+                 "--save", directory]) == 0
+    (snapshot,) = [e for e in os.listdir(directory) if e.startswith("ckpt-")]
+    path = os.path.join(directory, snapshot, "rank1-of-2.safetensors")
+    data = bytearray(open(path, "rb").read())
+    data[-100] ^= 0x10  # inside the tensor bytes: only the checksum can tell
+    open(path, "wb").write(data)
+    return directory
+
+
+def test_an_error_inside_a_rank_is_one_line_and_exit_1(capsys, monkeypatch, corrupt_checkpoint):
+    """`zerokit train --nproc 2 --resume <corrupted>`: exit 1, one line naming the file, no traceback;
+    --verbose prints every failing rank's traceback."""
+    monkeypatch.delenv("ZEROKIT_VERBOSE", raising=False)
+    argv = ["train", "--model", "tiny", "--stage", "0", "--nproc", "2", "--steps", "3", "--no-progress",
+            "--resume", corrupt_checkpoint]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zerokit train: error"), captured.err
+    assert "rank1-of-2.safetensors" in lines[0] and "Traceback" not in captured.err, captured.err
+    assert main(argv + ["--verbose"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "rank 0 of 2 failed" in err, err
+
+
+def test_torchrun_error_inside_the_ranks_is_one_line_per_rank(corrupt_checkpoint):
+    """Under torchrun a refused load ends every rank with one line, no zerokit traceback, and no abort."""
+    rc, out = _run(TORCHRUN + TRAIN + ["--stage", "0", "--steps", "3", "--no-progress", "--resume",
+                                       corrupt_checkpoint])
+    assert rc != 0 and ABORT not in out, out
+    errors = [line for line in out.splitlines() if line.startswith("zerokit train: error")]
+    assert len(errors) == 2 and all("rank1-of-2.safetensors" in e for e in errors), out
+    assert _zerokit_frames(out) == [], out
+
+
+def _interrupt(argv: list[str], to_group: bool) -> tuple[int, str, float]:
+    """Start argv in its own session; once rank 0's progress bar shows, send SIGINT (to the whole group, as a
+    terminal's Ctrl-C does, or to the leader only); -> (exit code, output, seconds from SIGINT to exit)."""
+    proc = subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stdout.read1(4096), b"")),
+                              daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120
+    while b"step/s" not in b"".join(chunks) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)  # tqdm's rate field: the ranks are inside the training loop
+    time.sleep(0.5)
+    sent = time.monotonic()
+    (os.killpg if to_group else os.kill)(proc.pid, signal.SIGINT)
+    rc = proc.wait(timeout=60)
+    seconds = time.monotonic() - sent
+    reader.join(timeout=5)
+    for _ in range(50):  # every process of the session is gone (ranks, multiprocessing's resource tracker)
+        if subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).returncode != 0:
+            break
+        time.sleep(0.1)
+    else:
+        left = subprocess.run(["pgrep", "-a", "-s", str(proc.pid)], capture_output=True, text=True).stdout
+        pytest.fail(f"processes left behind after Ctrl-C: {left}")
+    return rc, b"".join(chunks).decode(errors="replace"), seconds
+
+
+def test_ctrl_c_stops_zerokit_train_nproc_cleanly():
+    """Ctrl-C on `zerokit train --nproc 2`: exit 130 within the teardown grace, one line, no traceback, no abort."""
+    rc, out, seconds = _interrupt([sys.executable] + TRAIN + ["--stage", "2", "--nproc", "2", "--steps", "100000"],
+                                  to_group=True)
+    assert rc == 130 and "zerokit train: interrupted (SIGINT)" in out, out
+    assert "Traceback" not in out and ABORT not in out, out
+    assert seconds < 20, seconds  # STOP_GRACE_S = 15 s: the ranks tore down themselves, nobody was killed
+
+
+def test_sigint_to_torchrun_stops_the_ranks_cleanly():
+    """SIGINT to torchrun, which forwards it: each rank ends with one line, no zerokit traceback, no abort."""
+    rc, out, _ = _interrupt(TORCHRUN + TRAIN + ["--stage", "3", "--steps", "100000"], to_group=False)
+    assert rc != 0 and ABORT not in out, out
+    assert out.count("zerokit train: interrupted (SIGINT)") == 2, out
+    assert _zerokit_frames(out) == [], out
