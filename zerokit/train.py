@@ -14,6 +14,7 @@ import gc
 import json
 import os
 import time
+import traceback
 
 import torch
 
@@ -166,6 +167,9 @@ def _torchrun_entry(cfg: dict) -> list[dict] | None:
         summary = train_loop(rank, world_size, cfg)
         everyone = [None] * world_size
         dist.all_gather_object(everyone, summary)
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)  # still printable; the engine in train_loop's locals is let go
+        raise
     finally:
         gc.collect()  # hooks make the engine a reference cycle: free it while the group still exists
         dist.destroy_process_group()
