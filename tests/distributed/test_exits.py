@@ -163,3 +163,17 @@ def test_sigint_to_torchrun_stops_the_ranks_cleanly():
     assert rc != 0 and ABORT not in out, out
     assert out.count("zerokit train: interrupted (SIGINT)") == 2, out
     assert _zerokit_frames(out) == [], out
+
+
+def _abort_at_exit(rank, world_size):
+    import atexit
+    if rank == 1:
+        atexit.register(os.kill, os.getpid(), signal.SIGABRT)  # what "terminate called ..." does, after the result
+    return rank
+
+
+def test_run_ranks_fails_a_rank_that_aborts_after_returning(tmp_path):
+    """A spawned rank that returns its result and then aborts on the way out is a failure, not ignored."""
+    from zerokit.launch import RankFailed, run_ranks
+    with pytest.raises(RankFailed, match="rank 1 returned its result, then exited with signal SIGABRT"):
+        run_ranks(_abort_at_exit, 2, store_dir=str(tmp_path), timeout_s=60)
