@@ -35,10 +35,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "formats": ("zerokit.formats", "fp32 / fp16 / bf16 bit layouts and limits; --underflow measures gradients"),
 }
 
-# Exceptions zerokit raises for bad user input (see the style guide: ValueError / TypeError
-# naming the fix; OSError for a path that cannot be read or written).
-USER_ERRORS = (ValueError, TypeError, OSError)
-
 
 # ----------------------------------------------------------------------------- argument types
 def _range_text(low: float | None, high: float | None, low_open: bool = False) -> str:
@@ -121,7 +117,7 @@ def one_line(message: str) -> str:
 
 def report_error(command: str, exc: BaseException, verbose: bool) -> int:
     """Print `exc` for the user; return the exit status (1)."""
-    from zerokit.launch import RankFailed
+    from zerokit.launch import USER_ERRORS, RankFailed
 
     if isinstance(exc, RankFailed):  # a rank's failure, carried back by zerokit.launch
         if verbose or not exc.user_error:

@@ -55,6 +55,7 @@ import torch.multiprocessing as mp
 
 EXIT_GRACE_S = 60.0  # after every rank returned: how long they get to exit before they are killed
 STOP_GRACE_S = 15.0  # after a failure or Ctrl-C: how long ranks get to tear down (about 2 s) before they are killed
+USER_ERRORS = (ValueError, TypeError, OSError)  # what zerokit raises for bad input; the CLI prints them as one line
 
 
 class RankFailed(RuntimeError):
@@ -62,8 +63,7 @@ class RankFailed(RuntimeError):
 
     `rank`, `world_size`: the root-cause rank (None when it died without a report);
     `message`: that rank's exception as it would print (`str(exc)`); `exc_type`: its class
-    name; `user_error`: whether it is ValueError / TypeError / OSError, the kinds zerokit
-    raises for bad input, which the CLI reports as one line.
+    name; `user_error`: whether it is one of USER_ERRORS.
     """
 
     def __init__(self, text: str, rank: int | None = None, world_size: int | None = None, message: str = "",
@@ -84,7 +84,7 @@ def _on_sigterm(signum, frame):
 
 def _error_report(exc: BaseException) -> dict:
     return {"traceback": traceback.format_exc(), "exc_type": type(exc).__name__, "message": str(exc),
-            "user_error": isinstance(exc, (ValueError, TypeError, OSError)),
+            "user_error": isinstance(exc, USER_ERRORS),
             "stopped": isinstance(exc, KeyboardInterrupt)}
 
 
