@@ -37,6 +37,7 @@ import os
 import platform
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -290,7 +291,21 @@ def environment(cfg: dict | None = None) -> dict:
         "hostname": socket.gethostname(), "platform": platform.platform(), "processor": platform.processor(),
         "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "commit": _git_commit(),
     }
+
+
+def _git_commit() -> str:
+    """HEAD of the checkout zerokit runs from, with "-dirty" if the tree differs; "unknown" outside git."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
 
 
 def _kb(n: int | None) -> str:

@@ -41,6 +41,13 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+if dist.is_available():
+    # Imported with zerokit, so before the user's init_process_group: torch.distributed.nn binds
+    # the default group into its functions' defaults at import time, which would keep the group
+    # (and gloo's threads) alive past destroy_process_group. See zerokit/launch.py
+    # [Note: process-group teardown].
+    import torch.distributed.nn  # noqa: F401
+
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 
 
