@@ -57,7 +57,7 @@ del engine, model, loss
 gc.collect()
 dist.destroy_process_group()
 names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
-print(f"rank {rank} threads after destroy_process_group: {names}")
+print(f"rank {rank} threads after destroy_process_group: {names}", flush=True)
 """
 
 
@@ -74,7 +74,8 @@ def test_no_gloo_thread_outlives_destroy_process_group(tmp_path, stage):
     env["STAGE"] = str(stage)
     done = subprocess.run(TORCHRUN + [str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     out = done.stdout + done.stderr
-    reports = re.findall(r"rank (\d) threads after destroy_process_group: (.*)", out)
+    # The ranks share one pipe: their lines may interleave, so match each bracketed list on its own.
+    reports = re.findall(r"rank (\d) threads after destroy_process_group: (\[[^\]]*\])", out)
     assert done.returncode == 0 and len(reports) == 2, out
     for rank, names in reports:
         assert "gloo" not in names, f"rank {rank}: {names}"
@@ -115,8 +116,8 @@ def test_torchrun_error_inside_the_ranks_is_one_line_per_rank(corrupt_checkpoint
     rc, out = _run(TORCHRUN + TRAIN + ["--stage", "0", "--steps", "3", "--no-progress", "--resume",
                                        corrupt_checkpoint])
     assert rc != 0 and ABORT not in out, out
-    errors = [line for line in out.splitlines() if line.startswith("zerokit train: error")]
-    assert len(errors) == 2 and all("rank1-of-2.safetensors" in e for e in errors), out
+    # The ranks share one pipe and may interleave their lines: count occurrences, not lines.
+    assert out.count("zerokit train: error") == 2 and out.count("rank1-of-2.safetensors") >= 2, out
     assert _zerokit_frames(out) == [], out
 
 
