@@ -149,6 +149,16 @@ class FlatParam:
         """params[j]'s range of a (padded_numel,) buffer, for each j in js, as 1-D views."""
         return [flat[self.layout.offsets[j]:self.layout.offsets[j] + self.layout.numels[j]] for j in js]
 
+    def zero_shard_parts(self, grad_shard: torch.Tensor, js: list[int]) -> bool:
+        """Zero params[j]'s part of a (shard_numel,) grad shard for each j in js; True when that was every
+        param, so the whole shard is zero (the caller's "nothing accumulated yet" state)."""
+        if len(js) == len(self.params):
+            grad_shard.zero_()  # one kernel for the usual case: every gradient was cleared
+            return True
+        for part in self.shard_parts_of(grad_shard, js):
+            part.zero_()
+        return False
+
     def shard_parts_of(self, grad_shard: torch.Tensor, js: list[int]) -> list[torch.Tensor]:
         """params[j]'s elements within this rank's range, as views of a (shard_numel,) buffer."""
         lo, hi = self.shard_range

@@ -150,13 +150,8 @@ class Zero2Engine(Engine):
         """Honour what user code did to `.grad` since the last backward (core/user_grads.py [Note: param.grad
         belongs to the user]): a cleared param's part of the grad shard starts again from zero, as after
         zero_grad(); an assigned tensor is copied into the full bucket, the gradient to accumulate onto (DDP)."""
-        shard = self.grad_shards[fp.index]  # (shard_numel,)
-        if len(cleared) + len(replaced) == len(fp.params):
-            shard.zero_()
+        if fp.zero_shard_parts(self.grad_shards[fp.index], cleared + replaced):
             self.grad_shard_written[fp.index] = False  # the next reduce-scatter lands directly, as after zero_grad
-        else:
-            for part in fp.shard_parts_of(shard, cleared + replaced):
-                part.zero_()
         for j, view in zip(replaced, fp.grad_views_of(grad, replaced)):
             view.copy_(fp.params[j].grad.reshape(-1))
 

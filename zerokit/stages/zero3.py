@@ -457,13 +457,8 @@ class Zero3Engine(Engine):
         if kept is not None:
             for view in fp.grad_views_of(kept, cleared + replaced):
                 view.zero_()
-        shard = self.grad_shards[fp.index]  # (shard_numel,)
-        if len(cleared) + len(replaced) == len(fp.params):
-            shard.zero_()
+        if fp.zero_shard_parts(self.grad_shards[fp.index], cleared + replaced):
             self._grad_shard_clean[fp.index] = True  # the next reduce-scatter lands directly, as after zero_grad
-        else:
-            for part in fp.shard_parts_of(shard, cleared + replaced):
-                part.zero_()
         self._assigned[fp.index] = [(j, fp.params[j].grad) for j in replaced]
         if kept is not None:
             self._copy_assigned_grads(fp, kept)
