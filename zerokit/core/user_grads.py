@@ -107,9 +107,13 @@ class ShardedGrad(torch.Tensor):
 
 def _refuse(g: ShardedGrad, what: str):
     # RuntimeError, not TypeError: torch turns a TypeError inside `+`, `*`, ... into NotImplemented.
+    held = (f"only its shard of the averaged gradient ({g.local.numel()} of {g.numel()} elements), as with FSDP2"
+            if g.comm is not None else
+            "the averaged gradient in a buffer of another dtype or loss-scaled (stage 0 under fp16 or a distinct "
+            "reduce dtype)")
     raise RuntimeError(
         f"param.grad of {g.param_name!r} is a ShardedGrad: after backward at this ZeRO stage this rank holds "
-        f"only its shard of the averaged gradient ({g.local.numel()} of {g.numel()} elements), as with FSDP2. "
+        f"{held}. "
         f"{what} is not supported on it. Supported: norms (torch.nn.utils.clip_grad_norm_, .norm(), "
         "torch.linalg.vector_norm), mul_/div_/clamp_/zero_ and their torch._foreach_ forms. Read gradients "
         "before they are sharded with stage=0, or use engine.clip_grad_norm_().")
