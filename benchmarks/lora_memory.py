@@ -45,6 +45,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: import the check
 
 import zerokit as zk  # noqa: E402
 from _results import git_commit  # noqa: E402  (benchmarks/_results.py, beside this script)
+from zerokit.commands.step import train_step  # noqa: E402
 from zerokit.core.comm import Comm, Simulated  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
 from zerokit.models import Block, CharCorpus, build_model  # noqa: E402
@@ -70,12 +71,9 @@ def measure_one(rank: int, world_size: int, cfg: dict, precision: str, stage: in
     times = []
     for step in range(1 + cfg["steps"]):  # step 0 is the warm-up that allocates optimizer state
         start = time.perf_counter()
-        engine.zero_grad()
-        x, y = corpus.batch(cfg["batch_size"], block, step, rank if comm is None else 0,
-                            world_size if comm is None else 1)
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
+        batch = corpus.batch(cfg["batch_size"], block, step, rank if comm is None else 0,
+                             world_size if comm is None else 1)
+        train_step(engine, [batch], lambda b: engine(*b)[1])
         if step > 0:
             times.append(time.perf_counter() - start)
     memory = engine.memory()  # after the last step, before zero_grad: the steady state

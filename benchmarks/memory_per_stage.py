@@ -4,7 +4,7 @@
     python benchmarks/memory_per_stage.py --quick         # small model only (a minute on 2 CPU cores)
 
 Three kinds of configuration, each one training step (forward, backward, optimizer step) and
-then `core.memory.ledger(engine)`:
+then `core.ledger.ledger(engine)`:
 
 * gloo: `--nproc` real ranks on CPU (spawned once for every stage and precision), model "small";
 * simulated: one process playing rank 0 of N (8, 64) — `zerokit memory --simulate`'s
@@ -35,9 +35,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from zerokit.compare import available_stages  # noqa: E402
+from zerokit.commands.compare import available_stages  # noqa: E402
+from zerokit.commands.memory import simulate_rank  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
-from zerokit.memory_cmd import simulate_rank  # noqa: E402
 from _results import git_commit  # noqa: E402  (benchmarks/_results.py, beside this script)
 
 MODEL_STATES = ("params", "grads", "master_params", "optimizer_states")
@@ -47,8 +47,9 @@ COLUMNS = MODEL_STATES + ("comm_buffers", "activations")
 def _real_rank(rank: int, world_size: int, jobs: list[tuple[int, str]], model_name: str, device_kind: str) -> list:
     """One step per (stage, precision) on this real rank; the ledger of each."""
     import zerokit as zk
-    from zerokit.core.memory import ActivationMeter, activation_bytes_estimate, ledger
-    from zerokit.memory_cmd import optimizer_for
+    from zerokit.commands.memory import optimizer_for
+    from zerokit.core.estimate import activation_bytes_estimate
+    from zerokit.core.ledger import ActivationMeter, ledger
     from zerokit.models import Block, build_model, preset
 
     device = torch.device("cuda", rank) if device_kind == "cuda" else torch.device("cpu")
@@ -148,7 +149,7 @@ def main() -> int:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
             "seconds": round(time.perf_counter() - start, 1), "hardware": hardware(),
             "skipped_stages": {str(k): v for k, v in skipped.items()},
-            "notes": "one training step (batch 1 x 8 tokens), AdamW; measured = core.memory.ledger after step(); "
+            "notes": "one training step (batch 1 x 8 tokens), AdamW; measured = core.ledger.ledger after step(); "
                      "formula = zk.estimate (model states) and activation_bytes_estimate (activations)"}
     args.out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = args.out / f"memory_per_stage_{tag}.json", args.out / f"memory_per_stage_{tag}.md"

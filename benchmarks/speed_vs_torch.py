@@ -53,7 +53,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from zerokit.compare import _no_decay, _unique_bytes, available_stages, environment  # noqa: E402
+from zerokit.commands.compare import _no_decay, _unique_bytes, available_stages, environment  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
 from _results import git_commit  # noqa: E402  (benchmarks/_results.py, beside this script)
 
@@ -132,7 +132,8 @@ def _timed_steps(cfg: dict, rank: int, world_size: int, device: torch.device,
     """The one loop every run goes through: each step's loss and milliseconds, and this rank's bytes.
 
     `train_step(x, y)` runs forward, backward and the optimizer step and returns the loss;
-    `zero_grad()` ends the step (timed too). `memory()` is read once, after the last optimizer
+    `zero_grad()` ends the step (timed too; a no-op for zerokit, whose step, zerokit/commands/
+    step.py, clears the gradients at its start). `memory()` is read once, after the last optimizer
     step and before its zero_grad, so that gradients count for every run alike (FSDP frees its
     sharded grads at zero_grad; zerokit and DDP keep theirs in flat buffers).
     """
@@ -166,6 +167,7 @@ def _timed_steps(cfg: dict, rank: int, world_size: int, device: torch.device,
 
 def _run_zerokit(rank: int, world_size: int, cfg: dict, device: torch.device, stage: int) -> dict:
     import zerokit as zk
+    from zerokit.commands.step import train_step
     from zerokit.models import Block, build_model
 
     model = build_model(cfg["model"], seed=cfg["seed"]).to(device)
@@ -173,13 +175,10 @@ def _run_zerokit(rank: int, world_size: int, cfg: dict, device: torch.device, st
                       weight_decay=0.1, bucket_numel=cfg["bucket_numel"], wrap=(Block,), param_groups=_no_decay,
                       ordered_reduction=ORDERED[cfg["reduction"]])
 
-    def train_step(x, y):
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss
+    def step(x, y):  # zerokit's one step, zero_grad first (commands/step.py): nothing left to end the step
+        return train_step(engine, [(x, y)], lambda batch: engine(*batch)[1]).loss
 
-    return _timed_steps(cfg, rank, world_size, device, train_step, engine.zero_grad,
+    return _timed_steps(cfg, rank, world_size, device, step, lambda: None,
                         lambda: {c: engine.memory().get(c, 0) for c in MODEL_STATES})
 
 

@@ -99,26 +99,16 @@ def train_torch_ddp(rank: int, world_size: int, optimizer_cls, opt_kwargs: dict,
 
 def train_zerokit(rank: int, world_size: int, stage: int, optimizer_cls, opt_kwargs: dict, steps: int,
                   batch_size: int, seed: int = 0, clip: float | None = None, accumulate: int = 1, **shard_kwargs):
-    """The same loop through zk.shard; returns (losses, params, engine)."""
+    """The same loop through zk.shard (zerokit's train_step); returns (losses, params, engine)."""
     import zerokit as zk
+    from zerokit.commands.step import train_step
     model = odd_model(seed)
     shard_kwargs.setdefault("wrap", (OddBlock,))
     engine = zk.shard(model, optimizer_cls, stage=stage, **shard_kwargs, **opt_kwargs)
     losses = []
     for step in range(steps):
-        engine.zero_grad()
-        for micro in range(accumulate):
-            x, y = odd_batch(step * accumulate + micro, batch_size, rank, world_size)
-            last = micro == accumulate - 1
-            if last:
-                loss = engine(x, y)
-                engine.backward(loss / accumulate if accumulate > 1 else loss)
-            else:
-                with engine.no_sync():
-                    loss = engine(x, y)
-                    engine.backward(loss / accumulate)
-        if clip is not None:
-            engine.clip_grad_norm_(clip)
-        engine.step()
-        losses.append(loss.detach().float().clone())
+        micro_batches = [odd_batch(step * accumulate + micro, batch_size, rank, world_size)
+                         for micro in range(accumulate)]
+        loss = train_step(engine, micro_batches, lambda batch: engine(*batch), clip=clip).loss
+        losses.append(loss.float().clone())
     return torch.stack(losses), engine.state_dict(full=True), engine

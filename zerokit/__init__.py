@@ -1,16 +1,20 @@
 """zerokit: ZeRO stages 0-3 (DDP, sharded optimizer states, sharded gradients, sharded
 parameters / FSDP) written from scratch on torch.distributed collectives.
 
-Glossary — one name per kind of tensor, used everywhere in the code:
+Glossary — one name per role, used everywhere in the code:
 
-  param         a module's parameter (an nn.Parameter; after wrapping, a view into a flat buffer)
-  flat_param    a padded 1-D buffer holding several params back to back: (padded_numel,),
-                padded with zeros to a multiple of the world size N
+  param         a module's parameter (an nn.Parameter; after wrapping, a view into flat_data)
+  flat_param    several params stored back to back in one padded 1-D buffer of (padded_numel,)
+                elements, padded with zeros to a multiple of the world size N; which params
+                and where is its FlatParamLayout (engine.flat_params[i]: a layout, no storage)
+  flat_data     a flat_param's parameter storage, (padded_numel,); at stage 3 its storage is
+                0 bytes except while its unit is gathered
+  flat_grad     a flat_param's full-size gradient, (padded_numel,) (stages 2-3: only in backward)
   param_shard   this rank's range of a flat_param: (padded_numel // N,)
   grad_shard    the gradient averaged over ranks for exactly that range: (padded_numel // N,)
   master_shard  the fp32 copy of param_shard the optimizer updates (a view of it under fp32)
-  unsharded     a flat_param gathered whole again (stage 3, around a unit's forward/backward)
   bucket        a flat_param considered as one unit of gradient communication
+  reduction     one bucket's gradient on its way to being averaged (core/grad_reduce.py)
   unit          (stage 3) a group of modules whose params are gathered and freed together
   Ψ, N          parameter count, world size (ranks)
 
@@ -27,6 +31,7 @@ Public API (stable names; the full contract is docs/design.md):
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from datetime import timedelta
 
@@ -35,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerokit.core.comm import Comm, Simulated
+from zerokit.core.config import DEFAULT_BUCKET_NUMEL, ShardConfig, check_optimizer_kwargs
 from zerokit.core.precision import LossScaler, make_policy
 
 __all__ = ["init_distributed", "shard", "estimate", "lora", "Comm", "Simulated", "STAGES"]
@@ -46,9 +52,6 @@ STAGES = {
     2: "zerokit.stages.zero2:Zero2Engine",
     3: "zerokit.stages.zero3:Zero3Engine",
 }
-
-DEFAULT_BUCKET_NUMEL = 1 << 22  # 4 Mi elements: 16 MiB of fp32 gradient per bucket
-
 
 def init_distributed(backend: str | None = None, timeout_s: float = 600) -> tuple[int, int]:
     """Join the process group torchrun describes (env://); return (rank, world_size).
@@ -92,7 +95,9 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     """Wrap `model` for ZeRO stage `stage` (0 = DDP) and build its sharded optimizer.
 
     Every stage takes the same keywords (a stage ignores those it has no use for, such
-    as `wrap` below stage 3), so switching stage is one argument. Optimizer
+    as `wrap` below stage 3), so switching stage is one argument; they are checked once,
+    into a frozen core/config.py `ShardConfig`, and a keyword that is neither one of them
+    nor an argument of `optimizer_cls` is a TypeError naming the closest of each. Optimizer
     hyperparameters (lr, weight_decay, betas, momentum, ...) pass through to
     `optimizer_cls`; `param_groups(name, param) -> dict` overrides them per parameter,
     and parameters with equal overrides share one flat buffer. `loss_scaler` holds
@@ -117,14 +122,10 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer class, got {optimizer_cls!r}")
-    if bucket_numel < 1:
-        raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
-    if accumulate not in ("reduce_scatter", "local"):
-        raise ValueError(f"accumulate must be 'reduce_scatter' or 'local', got {accumulate!r}")
-    if max_in_flight < 0:
-        raise ValueError(f"max_in_flight must be >= 0, got {max_in_flight}")
-    if prefetch < 0:
-        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    config = ShardConfig(stage=stage, bucket_numel=bucket_numel, param_groups=param_groups, cast_inputs=cast_inputs,
+                         accumulate=accumulate, max_in_flight=max_in_flight, wrap=wrap, prefetch=prefetch,
+                         reshard_after_forward=reshard_after_forward)
+    check_optimizer_kwargs(optimizer_cls, optimizer_kwargs, _SHARD_OPTIONS)
     policy = make_policy(precision, reduce_dtype=reduce_dtype)
     if loss_scaler is not None and not policy.uses_loss_scaler:
         raise ValueError(f"loss_scaler= is only used with precision='fp16', got precision={precision!r}")
@@ -133,15 +134,17 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
         comm = Comm(group, ordered=ordered_reduction)
     module_name, class_name = STAGES[stage].split(":")
     engine_cls = getattr(importlib.import_module(module_name), class_name)
-    return engine_cls(model, optimizer_cls, optimizer_kwargs, comm=comm, policy=policy, scaler=scaler,
-                      bucket_numel=bucket_numel, param_groups=param_groups, wrap=wrap, prefetch=prefetch,
-                      reshard_after_forward=reshard_after_forward, accumulate=accumulate,
-                      max_in_flight=max_in_flight, cast_inputs=bool(cast_inputs))
+    return engine_cls(model, optimizer_cls, optimizer_kwargs, comm=comm, policy=policy, scaler=scaler, config=config)
+
+
+# zk.shard's own keywords, for the unknown-option error (check_optimizer_kwargs)
+_SHARD_OPTIONS = [name for name, p in inspect.signature(shard).parameters.items()
+                  if p.kind is inspect.Parameter.KEYWORD_ONLY]
 
 
 def estimate(num_params, world_size: int, stage: int, precision: str = "bf16", **kwargs):
-    """Analytic bytes per rank by category (see core/memory.py)."""
-    from zerokit.core.memory import estimate as _estimate
+    """Analytic bytes per rank by category (see core/estimate.py)."""
+    from zerokit.core.estimate import estimate as _estimate
     return _estimate(num_params, world_size, stage, precision, **kwargs)
 
 

@@ -146,11 +146,6 @@ def _trainable_with_masters(engine) -> list[tuple[object, torch.Tensor]]:
     return list(zip(trainable, masters))
 
 
-def _optimizer_name(optimizer: torch.optim.Optimizer) -> str:
-    cls = type(optimizer)
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def _json_number(value):
     """Hyperparameters as JSON: numbers (and tuples of numbers) only; None for anything else."""
     if torch.is_tensor(value) and value.numel() == 1:
@@ -169,14 +164,14 @@ def _state_kinds(engine) -> dict[str, str]:
     """Optimizer state key -> "elementwise" (shaped like the master) or "scalar" (0-dim), checked."""
     kinds: dict[str, str] = {}
     for fp, master in _trainable_with_masters(engine):
-        for key, value in engine.optimizer.optimizer.state.get(master, {}).items():
+        for key, value in engine.optimizer.state_of(master).items():
             if torch.is_tensor(value) and value.shape == master.shape:
                 kind = "elementwise"
             elif torch.is_tensor(value) and value.dim() == 0:
                 kind = "scalar"
             else:
                 raise ValueError(
-                    f"optimizer state {key!r} of {_optimizer_name(engine.optimizer.optimizer)} for the flat param "
+                    f"optimizer state {key!r} of {engine.optimizer.name} for the flat param "
                     f"holding {fp.names[0][0]!r} is neither shaped like its master nor a 0-dim tensor; "
                     "a sharded checkpoint cannot re-slice it")
             if kinds.setdefault(key, kind) != kind:
@@ -324,11 +319,10 @@ def _save_tensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[st
 def _write_rank_file(engine, directory: str, kinds: dict[str, str], aliases: dict[str, str]) -> dict:
     """This rank's pieces of every trainable flat param: master and optimizer states, by name and range."""
     tensors: dict[str, torch.Tensor] = {}
-    state = engine.optimizer.optimizer.state
     for fp, master in _trainable_with_masters(engine):
         base = _master_start(fp, master)
         lo, _hi = fp.shard_range
-        master_state = state.get(master, {})
+        master_state = engine.optimizer.state_of(master)
         for piece in fp.layout.pieces(engine.rank):
             name = aliases.get(fp.names[piece.index][0], fp.names[piece.index][0])  # the model file's key
             a = lo + piece.shard_offset - base  # where the piece sits in the master tensor
@@ -411,7 +405,7 @@ def _remove_stale(directory: str, keep: str) -> None:
 
 
 def _meta(engine, kinds: dict[str, str], extra: dict | None, files: dict[str, dict]) -> dict:
-    optimizer = engine.optimizer.optimizer
+    optimizer = engine.optimizer
     aliases = _aliases(engine.module)
     fp_of_master = {id(m): fp for fp, m in _trainable_with_masters(engine)}
     groups = []
@@ -422,7 +416,7 @@ def _meta(engine, kinds: dict[str, str], extra: dict | None, files: dict[str, di
         groups.append({"params": names, "hyperparameters": {k: v for k, v in hyper.items() if v is not None}})
     step = None
     for _fp, master in _trainable_with_masters(engine):
-        value = optimizer.state.get(master, {}).get("step")
+        value = optimizer.state_of(master).get("step")
         if value is not None:
             step = int(float(value))
             break
@@ -437,7 +431,7 @@ def _meta(engine, kinds: dict[str, str], extra: dict | None, files: dict[str, di
     return {
         "format": FORMAT, "version": VERSION,
         "world_size": engine.world_size, "stage": engine.stage, "precision": engine.policy.name,
-        "optimizer": {"class": _optimizer_name(optimizer), "param_groups": groups, "state": kinds,
+        "optimizer": {"class": optimizer.name, "param_groups": groups, "state": kinds,
                       "step": step},
         "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
         "versions": {"zerokit": _zerokit_version(), "torch": torch.__version__,
@@ -614,7 +608,7 @@ def _open_safetensors(path: str):
 def _read(engine, directory: str) -> tuple[_Plan, _Snapshot]:
     snapshot = _open_checkpoint(directory)
     meta, meta_path = snapshot.meta, snapshot.meta_path
-    mine = _optimizer_name(engine.optimizer.optimizer)
+    mine = engine.optimizer.name
     if meta["optimizer"]["class"] != mine:
         raise ValueError(f"{meta_path}: the checkpoint's optimizer is {meta['optimizer']['class']}, this engine's "
                          f"is {mine}; build the engine with the same optimizer class")
@@ -786,7 +780,7 @@ def _match_hyperparameters(engine, meta: dict) -> list[dict]:
             saved_group_of[name] = group["hyperparameters"]
     fp_of_master = {id(m): fp for fp, m in _trainable_with_masters(engine)}
     out = []
-    for group in engine.optimizer.optimizer.param_groups:
+    for group in engine.optimizer.param_groups:
         fps = [fp_of_master[id(m)] for m in group["params"] if id(m) in fp_of_master]
         hyper = {}
         if fps:
@@ -803,25 +797,22 @@ def _install(engine, plan: _Plan) -> None:
         module_state = engine.module.state_dict(keep_vars=True)
         for name, value in plan.buffers.items():
             module_state[name].copy_(value)
-        optimizer = engine.optimizer.optimizer
+        optimizer = engine.optimizer
         fused = {id(m): bool(g.get("fused") or g.get("capturable")) for g in optimizer.param_groups
                  for m in g["params"]}
         for (_fp, master), values, states in zip(_trainable_with_masters(engine), plan.masters, plan.states):
             master.copy_(values)  # fp32 master (under fp32 the param shard itself)
-            optimizer.state.pop(master, None)
-            if states:
-                optimizer.state[master] = {
-                    key: (t.to(master.device, master.dtype) if t.dim() > 0
-                          else t.to(master.device) if fused[id(master)] else t.clone())
-                    for key, t in states.items()}
+            optimizer.set_state(master, {
+                key: (t.to(master.device, master.dtype) if t.dim() > 0
+                      else t.to(master.device) if fused[id(master)] else t.clone())
+                for key, t in states.items()})
         for group, hyper in zip(optimizer.param_groups, plan.hyper):
             for key, value in hyper.items():
                 if key in group:
                     group[key] = tuple(value) if isinstance(group[key], tuple) else value
     if engine.scaler is not None and plan.meta.get("loss_scaler") is not None:
         engine.scaler.load_state_dict(plan.meta["loss_scaler"])
-    engine.optimizer.grad_multiplier = None
-    engine.zero_grad()
+    engine.zero_grad()  # also forgets a clip coefficient computed before the load
 
 
 def load_full_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -841,3 +832,19 @@ def load_full_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor
             raise ValueError(f"{path}: {alias!r} is an alias of {target!r}, which the file does not hold")
         out[alias] = out[target]
     return out
+
+
+class Checkpointing:
+    """`engine.save(dir)` / `engine.load(dir)`: mixed into every stage's engine (before core's Engine).
+
+    Generic over stages: everything goes through the engine interface (`flat_params`, the
+    optimizer's master shards and states, `load_flat_params`), so core never imports this module.
+    """
+
+    def save(self, directory: str | os.PathLike, extra: dict | None = None) -> None:
+        """Write a sharded checkpoint (every rank its own range; rank 0 the model and meta). A collective."""
+        save(self, directory, extra=extra)
+
+    def load(self, directory: str | os.PathLike) -> dict:
+        """Load a checkpoint saved at any world size, stage or precision; returns its meta (with `extra`)."""
+        return load(self, directory)

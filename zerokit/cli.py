@@ -1,8 +1,10 @@
 """The `zerokit` command line: one subcommand per module, imported only when chosen.
 
-Each command module defines `add_arguments(parser)` and `run(args) -> int`, and types its
-numeric options with `int_in_range` / `float_in_range` below, so a number out of range is
-refused by argparse (exit 2) with the valid range in the message, before anything runs.
+Each command module (zerokit/commands/) defines `add_arguments(parser)` and `run(args) -> int`,
+and types its numeric options with `int_in_range` / `float_in_range` below, so a number out of
+range is refused by argparse (exit 2) with the valid range in the message, before anything
+runs. Parameter counts and memory sizes (`zerokit memory`, `zerokit plan`) are typed with
+`parse_count` / `parse_bytes`, and `--model` presets resolved with `model_preset`, below too.
 
 Errors: a user mistake found while running — an unknown model, a missing or refused
 checkpoint, found here or inside a rank — raises ValueError, TypeError or OSError; `main`
@@ -23,16 +25,17 @@ import signal
 import sys
 import threading
 import traceback
-from typing import Callable
+from decimal import Decimal, InvalidOperation
+from typing import Any, Callable
 
 # name -> (module, one-line help). Order is the order `zerokit --help` lists them.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("zerokit.train", "train the built-in small GPT on the built-in corpus at any ZeRO stage"),
-    "compare": ("zerokit.compare", "every stage on the same data: loss, memory, communication, time"),
-    "memory": ("zerokit.memory_cmd", "per-rank memory by category for each stage (the lecture's table)"),
-    "plan": ("zerokit.plan", "the lecture's decision flow, answered with bytes"),
-    "explain": ("zerokit.explain", "where each parameter lands: rank, offset, padding, buckets, units"),
-    "formats": ("zerokit.formats", "fp32 / fp16 / bf16 bit layouts and limits; --underflow measures gradients"),
+    "train": ("zerokit.commands.train", "train the built-in small GPT on the built-in corpus at any ZeRO stage"),
+    "compare": ("zerokit.commands.compare", "every stage on the same data: loss, memory, communication, time"),
+    "memory": ("zerokit.commands.memory", "per-rank memory by category for each stage (the lecture's table)"),
+    "plan": ("zerokit.commands.plan", "the lecture's decision flow, answered with bytes"),
+    "explain": ("zerokit.commands.explain", "where each parameter lands: rank, offset, padding, buckets, units"),
+    "formats": ("zerokit.commands.formats", "fp32 / fp16 / bf16 bit layouts and limits; --underflow measures gradients"),
 }
 
 
@@ -79,6 +82,56 @@ positive_int = int_in_range(1)
 non_negative_int = int_in_range(0)
 non_negative_float = float_in_range(0.0)
 positive_float = float_in_range(0.0, low_open=True)
+
+# Decimal units first: they are what `auto` chooses from, matching the lecture's GB.
+UNITS: dict[str, int] = {
+    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+}
+_COUNT_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+_NUMBER = r"([0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)"
+
+
+def parse_count(text: str) -> int:
+    """A parameter count: "7.5e9", "7_500_000_000", "7.5B", "350M", "125k" -> int (must be whole)."""
+    match = re.fullmatch(_NUMBER + r"\s*([kKmMbBgGtT]?)", text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (try 7.5e9 or 7.5B)")
+    try:
+        value = Decimal(match.group(1).replace("_", "")) * _COUNT_SUFFIXES[match.group(2).upper()]
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r}") from None
+    if value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"parameter count {text!r} is not a whole number")
+    return int(value)
+
+
+def parse_bytes(text: str) -> int:
+    """A memory size: "80" (GB, 10^9 bytes), "80GB", "80GiB", "512MiB" -> bytes."""
+    match = re.fullmatch(_NUMBER + r"\s*([KMGT]i?B|B)?", text.strip(), flags=re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (try 80, 80GB or 80GiB)")
+    unit = match.group(2) or "GB"
+    # Case-insensitive lookup, but keep the 'i' meaning binary: "gib" -> "GiB".
+    canonical = {u.lower(): u for u in UNITS}[unit.lower()]
+    value = Decimal(match.group(1).replace("_", "")) * UNITS[canonical]
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"memory size must be positive, got {text!r}")
+    return int(value)
+
+
+def model_preset(command: str, name: str) -> tuple[Any, int]:
+    """`--model NAME` of `zerokit <command>`: (the models.py preset's GPTConfig, its parameter count Ψ).
+
+    An unknown name exits with one line naming the command and the presets.
+    """
+    from zerokit import models  # lazy: torch is only needed when a preset is asked for
+
+    try:
+        cfg = models.preset(name)
+    except ValueError as err:
+        raise SystemExit(f"zerokit {command}: --model: {err}") from None
+    return cfg, models.num_params(cfg)
 
 
 # ----------------------------------------------------------------------------- errors

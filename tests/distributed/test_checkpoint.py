@@ -22,6 +22,7 @@ from torch import nn
 import zerokit as zk
 from common import OddBlock, odd_batch, odd_model
 from zerokit.checkpoint import committed_snapshot
+from zerokit.commands.step import train_step
 from zerokit.launch import run_ranks
 
 K, M = 3, 3  # steps before the save, steps after it
@@ -55,12 +56,8 @@ def _train(engine, rank, world_size, first, steps):
     """Steps first .. first+steps-1 on the fixed global batch; returns (losses, loss scales)."""
     losses, scales = [], []
     for step in range(first, first + steps):
-        engine.zero_grad()
-        x, y = odd_batch(step, GLOBAL_ROWS // world_size, rank, world_size)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach().float().clone())
+        batch = odd_batch(step, GLOBAL_ROWS // world_size, rank, world_size)
+        losses.append(train_step(engine, [batch], lambda b: engine(*b)).loss.float().clone())
         scales.append(engine.loss_scale)
     return torch.stack(losses), scales
 
@@ -112,7 +109,7 @@ def _expect_error(fn):
 def _gpt_cfg(**overrides):
     import argparse
 
-    from zerokit.train import add_arguments
+    from zerokit.commands.train import add_arguments
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     # --clip 0: the clipping norm is summed per flat buffer, so with clipping stages 2 and 3
@@ -198,7 +195,7 @@ def _cases_ws2(rank, world_size, root):
     out["errors"]["load_after_error"] = not _equal_dicts(saved[(1, "fp32", "adamw")]["params"], _params(engine))
 
     # zerokit train --save / --resume: 4 steps at stage 2, resumed at stage 3 up to 6; vs 6 steps at stage 3
-    from zerokit.train import train_loop
+    from zerokit.commands.train import train_loop
     ck = os.path.join(root, "train")
     first = train_loop(rank, world_size, _gpt_cfg(stage=2, steps=4, save=ck))
     resumed = train_loop(rank, world_size, _gpt_cfg(stage=3, steps=6, resume=ck))

@@ -28,6 +28,7 @@ from common import odd_batch, odd_model
 from test_checkpoint import _equal_dicts, _expect_error, _full_optimizer_state, _params
 from zerokit import checkpoint
 from zerokit.checkpoint import POINTER_FILE, committed_snapshot
+from zerokit.commands.step import train_step
 from zerokit.launch import RankFailed, run_ranks
 
 K, M = 3, 2  # steps in checkpoint A; B has K + M
@@ -45,10 +46,7 @@ def _engine(stage=0, seed=0):
 def _train(engine, rank, world_size, first, steps):
     """Steps first .. first+steps-1 on the fixed global batch."""
     for step in range(first, first + steps):
-        engine.zero_grad()
-        x, y = odd_batch(step, GLOBAL_ROWS // world_size, rank, world_size)
-        engine.backward(engine(x, y))
-        engine.step()
+        train_step(engine, [odd_batch(step, GLOBAL_ROWS // world_size, rank, world_size)], lambda b: engine(*b))
 
 
 def _state(engine):

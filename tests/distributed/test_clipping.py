@@ -10,6 +10,7 @@ import torch
 
 import zerokit as zk
 from common import OddBlock, odd_batch, odd_model, train_torch_ddp, train_zerokit
+from zerokit.commands.step import train_step
 from zerokit.launch import run_ranks
 
 STEPS, BATCH, BUCKET = 3, 3, 40
@@ -114,13 +115,9 @@ def _clipped_gpt_cases(rank, world_size):
                               wrap=(Block,), bucket_numel=3000)
             trace = []
             for step in range(6):
-                engine.zero_grad()
-                x, y = corpus.batch(4, 32, step, rank, world_size)
-                _, loss = engine(x, y)
-                engine.backward(loss)
-                norm = engine.clip_grad_norm_(0.3)  # well below the norm: every step clips
-                engine.step()
-                trace.append(torch.stack([loss.detach().float(), norm.float()]))
+                result = train_step(engine, [corpus.batch(4, 32, step, rank, world_size)],
+                                    lambda batch: engine(*batch)[1], clip=0.3)  # well below the norm: every step clips
+                trace.append(torch.stack([result.loss.float(), result.grad_norm.float()]))
             out[(precision, stage)] = (torch.stack(trace), engine.state_dict(full=True))
     return out
 

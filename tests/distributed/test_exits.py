@@ -43,7 +43,7 @@ def test_torchrun_form_exits_cleanly(stage):
 
 
 _THREADS_SCRIPT = """
-import gc, os, torch, torch.distributed as dist
+import gc, os, time, torch, torch.distributed as dist
 import zerokit as zk
 from zerokit.models import Block, CharCorpus, build_model
 rank, world_size = zk.init_distributed()
@@ -56,7 +56,11 @@ engine.step()
 del engine, model, loss
 gc.collect()
 dist.destroy_process_group()
-names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+for _ in range(20):  # gloo's loop thread may take a moment to stop after the group is destroyed
+    names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    if not any(n.startswith("gloo") for n in names):
+        break
+    time.sleep(0.1)
 print(f"rank {rank} threads after destroy_process_group: {names}", flush=True)
 """
 
@@ -64,7 +68,8 @@ print(f"rank {rank} threads after destroy_process_group: {names}", flush=True)
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through /proc (Linux)")
 @pytest.mark.parametrize("stage", [0, 3])
 def test_no_gloo_thread_outlives_destroy_process_group(tmp_path, stage):
-    """After zk.init_distributed, zk.shard (a torch optimizer) and a step, destroy_process_group stops gloo's threads.
+    """After zk.init_distributed, zk.shard (a torch optimizer) and a step, destroy_process_group stops gloo's threads
+    (within 2 s: seen once, under a full test run's load, a moment late; the bug kept them until exit).
 
     Before the fix torch.distributed.nn, imported by the first optimizer after the group existed, held the
     group in its default arguments: its threads ran on into interpreter exit, where ranks aborted."""

@@ -23,6 +23,7 @@ from torch import nn
 
 import zerokit as zk
 from common import OddBlock, odd_batch, odd_model
+from zerokit.commands.step import train_step
 from zerokit.core.precision import cast_floating_tensors
 from zerokit.launch import run_ranks
 
@@ -112,15 +113,15 @@ def _train_floats(rank, world_size, stage, precision, manual_cast=False, **kw):
     engine = zk.shard(model, torch.optim.AdamW, stage=stage, precision=precision, wrap=(Layer,),
                       cast_inputs=not manual_cast, **kw, **ADAMW)
     losses, out_dtypes = [], set()
-    for step in range(FLOAT_STEPS):
-        engine.zero_grad()
-        x, y = _float_batch(step, rank, world_size)
+
+    def loss_fn(batch):
+        x, y = batch
         out = engine(x.to(PARAM_DTYPE[precision]) if manual_cast else x)
         out_dtypes.add(out.dtype)
-        loss = F.mse_loss(out.float(), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach())
+        return F.mse_loss(out.float(), y)
+
+    for step in range(FLOAT_STEPS):
+        losses.append(train_step(engine, [_float_batch(step, rank, world_size)], loss_fn).loss)
     return dict(losses=torch.stack(losses), params=engine.state_dict(full=True), out_dtypes=out_dtypes)
 
 
@@ -139,14 +140,8 @@ def _train_tokens(rank, world_size, stage, cast_inputs):
     """The odd model (integer token ids in, integer targets) under bf16."""
     engine = zk.shard(odd_model(), torch.optim.AdamW, stage=stage, precision="bf16", wrap=(OddBlock,),
                       cast_inputs=cast_inputs, **ADAMW)
-    losses = []
-    for step in range(STEPS):
-        engine.zero_grad()
-        x, y = odd_batch(step, BATCH, rank, world_size)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach().float())
+    losses = [train_step(engine, [odd_batch(step, BATCH, rank, world_size)], lambda b: engine(*b)).loss.float()
+              for step in range(STEPS)]
     return dict(losses=torch.stack(losses), params=engine.state_dict(full=True))
 
 
@@ -164,7 +159,7 @@ def _probe(stage, precision):
 
 def _root_storage(engine):
     """Stage 3: (data_ptr, nbytes) of every unsharded buffer (what autograd's saved views point into)."""
-    return [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in engine.unsharded]
+    return [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in engine.flat_data]
 
 
 def _train_midstep(rank, world_size, stage, precision, mode, **kw):
@@ -213,14 +208,8 @@ def _summon_write(rank, world_size, stage, precision):
         with torch.no_grad():
             model.blocks[1].fc2.bias.fill_(0.25)  # exact in bf16: the master must hold exactly 0.25
     written = engine.state_dict(full=True)["blocks.1.fc2.bias"]
-    losses = []
-    for step in range(2):
-        engine.zero_grad()
-        x, y = odd_batch(step, BATCH, rank, world_size)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach().float())
+    losses = [train_step(engine, [odd_batch(step, BATCH, rank, world_size)], lambda b: engine(*b)).loss.float()
+              for step in range(2)]
     return dict(written=written, losses=torch.stack(losses), params=engine.state_dict(full=True))
 
 

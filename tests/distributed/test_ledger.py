@@ -24,7 +24,7 @@ STAGES = (0, 1, 2, 3)
 
 
 def _ledger_cases(rank, world_size, stages):
-    from zerokit.core.memory import ledger
+    from zerokit.core.ledger import ledger
     from zerokit.models import Block, CharCorpus, build_model
 
     corpus = CharCorpus.load()

@@ -36,7 +36,7 @@ def _train_gpt(rank, world_size, stage, precision, steps, corpus, poison_step=No
             snapshot = (engine.state_dict(full=True),
                         [t.clone() for t in engine.optimizer.state_tensors()], engine.loss_scale)
             if rank == world_size - 1:  # only one rank's gradient shard holds an inf
-                engine.optimizer.grad_shards[0][0] = float("inf")
+                engine.norm_shards()[0][0] = float("inf")  # a view of the grad this rank steps with
         ok = engine.step()
         if step == poison_step:
             after = (engine.state_dict(full=True), [t.clone() for t in engine.optimizer.state_tensors()])

@@ -17,15 +17,14 @@ what it saw, so the parent asserts again on every rank's results:
 * grads in the ledger follow the reduce dtype exactly (stage 1: 2Ψ + 4Ψ/N, stages 2 and 3:
   4Ψ/N, on the padded buffers), and `estimate(..., reduce_precision=)` predicts them.
 """
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import zerokit as zk
 from common import OddBlock, odd_batch, odd_model
-from zerokit.core.memory import ledger
+from zerokit.commands.step import train_step
+from zerokit.core.ledger import ledger
 from zerokit.launch import run_ranks
 from zerokit.models import Block, CharCorpus, build_model
 
@@ -162,14 +161,10 @@ def _train_odd(rank, world_size, stage, steps=5, micro=2):
                       lr=1e-2, bucket_numel=40, wrap=(OddBlock,), accumulate="local")
     losses, stepped = [], []
     for step in range(steps):
-        engine.zero_grad()
-        for m in range(micro):
-            x, y = odd_batch(step * micro + m, 3, rank, world_size)
-            with engine.no_sync() if m < micro - 1 else contextlib.nullcontext():
-                loss = engine(x, y)
-                engine.backward(loss / micro)
-        stepped.append(engine.step())
-        losses.append(loss.detach().float())
+        batches = [odd_batch(step * micro + m, 3, rank, world_size) for m in range(micro)]
+        result = train_step(engine, batches, lambda batch: engine(*batch))
+        stepped.append(result.stepped)
+        losses.append(result.loss.float())
     return dict(losses=torch.stack(losses), params=engine.state_dict(full=True), stepped=stepped,
                 scale=engine.loss_scale)
 

@@ -24,7 +24,7 @@ OPTIMIZERS = {
 # (observed <= 2.4e-7 against DDP, <= 4.8e-7 against one process on the global batch).
 # 1e-5 is 20x above that. What it catches depends on the optimizer: AdamW divides each
 # update by the gradient's own running RMS, so it is nearly blind to a gradient-scale bug.
-# Measured by injecting a 1/(N+1) averaging bug (every stage's grad_reduce_input dividing by
+# Measured by injecting a 1/(N+1) averaging bug (every stage's GradReduction dividing by
 # N + 1), 6 steps: AdamW moves weights by only 3.6e-7 (N = 3) and 5.1e-6 (N = 4), inside
 # DDP_ATOL; plain SGD at lr 0.1 by 7.7e-2 and 5.0e-2 (5,000x DDP_ATOL), SGD with momentum
 # by 0.34 and 0.35. So the SGD variants carry the averaging check; AdamW checks the rest.

@@ -11,7 +11,9 @@ from torch import nn
 
 import zerokit as zk
 from common import odd_batch, odd_model, train_torch_ddp
+from zerokit.commands.step import train_step
 from zerokit.core.comm import Comm
+from zerokit.core.config import ShardConfig
 from zerokit.core.partition import padded_numel
 from zerokit.core.precision import make_policy
 from zerokit.core.user_grads import ShardedGrad
@@ -48,21 +50,11 @@ def _snapshot(engine) -> dict[str, torch.Tensor]:
 
 
 def _train(engine, rank, world_size, steps=STEPS, micro=1):
-    """zero_grad, `micro` backwards (all but the last inside no_sync), step; losses and params every step."""
+    """train_step: zero_grad, `micro` backwards (all but the last inside no_sync), step; losses and params every step."""
     losses, params = [], []
     for step in range(steps):
-        engine.zero_grad()
-        for m in range(micro):
-            x, y = odd_batch(step * micro + m, BATCH, rank, world_size)
-            if m < micro - 1:
-                with engine.no_sync():
-                    loss = engine(x, y)
-                    engine.backward(loss / micro)
-            else:
-                loss = engine(x, y)
-                engine.backward(loss / micro)
-        engine.step()
-        losses.append(loss.detach().clone())
+        batches = [odd_batch(step * micro + m, BATCH, rank, world_size) for m in range(micro)]
+        losses.append(train_step(engine, batches, lambda batch: engine(*batch)).loss.clone())
         params.append(_snapshot(engine))
     return torch.stack(losses), params
 
@@ -87,8 +79,9 @@ def _deep_mlp(seed=0, depth=12, width=32):
 
 
 def _zero2(model, cls, kw, **engine_kwargs):
-    """A stage-2 engine built as zk.shard builds it, for keywords zk.shard does not forward (max_in_flight)."""
-    return Zero2Engine(model, cls, kw, comm=Comm(), policy=make_policy("fp32"), scaler=None, **engine_kwargs)
+    """A stage-2 engine built directly (as zk.shard builds it) from a ShardConfig."""
+    return Zero2Engine(model, cls, kw, comm=Comm(), policy=make_policy("fp32"), scaler=None,
+                       config=ShardConfig(stage=2, **engine_kwargs))
 
 
 def _stage2_gradient_high_water(rank, world_size, bucket_numel, max_in_flight, aligned):

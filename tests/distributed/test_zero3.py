@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 import zerokit as zk
 from common import OddBlock, OddModel, odd_batch, train_torch_ddp, train_zerokit
+from zerokit.commands.step import train_step
 from zerokit.launch import run_ranks
 from zerokit.models import Block, build_model, preset
 
@@ -65,18 +66,14 @@ def _model(cls=OddModel, seed: int = 0, **kw) -> OddModel:
 
 
 def _train(rank, world_size, stage, model_cls=OddModel, steps=STEPS, optimizer=ADAMW, **kw):
-    """zerokit's loop on the odd model (or a variant); returns (losses, full state_dict, engine)."""
+    """zerokit's loop (train_step) on the odd model (or a variant); returns (losses, full state_dict, engine)."""
     cls, opt_kw = optimizer
     kw.setdefault("wrap", (OddBlock,))
     engine = zk.shard(_model(model_cls), cls, stage=stage, **kw, **opt_kw)
     losses = []
     for step in range(steps):
-        engine.zero_grad()
-        x, y = odd_batch(step, BATCH, rank, world_size)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach().float())
+        batch = odd_batch(step, BATCH, rank, world_size)
+        losses.append(train_step(engine, [batch], lambda b: engine(*b)).loss.float())
     return torch.stack(losses), engine.state_dict(full=True), engine
 
 
@@ -303,7 +300,7 @@ def _peak_unsharded(model_cls, num_blocks, prefetch, reshard, steps=2):
     def sample(*_):
         # Bytes of parameter storage really allocated: a sharded param's storage is 0 bytes.
         storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
-        phase = "backward" if engine.in_backward else "forward"
+        phase = "backward" if engine.tracker.in_backward else "forward"
         peak[phase] = max(peak[phase], sum(storages.values()))
 
     for m in model.modules():
@@ -323,8 +320,8 @@ def _peak_unsharded(model_cls, num_blocks, prefetch, reshard, steps=2):
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
             engine.backward(engine(x, y))
         engine.step()
-    unit_bytes = {sum(engine.unsharded[fp.index].numel() * 4 for fp in u.flat_params) for u in engine.units[1:]}
-    root_bytes = sum(engine.unsharded[fp.index].numel() * 4 for fp in engine.units[0].flat_params)
+    unit_bytes = {sum(engine.flat_data[fp.index].numel() * 4 for fp in u.flat_params) for u in engine.units[1:]}
+    root_bytes = sum(engine.flat_data[fp.index].numel() * 4 for fp in engine.units[0].flat_params)
     assert len(unit_bytes) == 1, unit_bytes  # every OddBlock unit has the same size
     assert engine.unsharded_param_bytes() == 0
     return peak, root_bytes, unit_bytes.pop()
@@ -364,13 +361,13 @@ def test_activation_checkpointing_lowers_saved_activation_bytes():
         def pack(t):
             # Parameters are saved too (as views of unsharded buffers): not activations.
             ptr = t.untyped_storage().data_ptr()
-            if ptr not in {u.untyped_storage().data_ptr() for u in engine.unsharded}:
+            if ptr not in {u.untyped_storage().data_ptr() for u in engine.flat_data}:
                 storages[ptr] = t.untyped_storage().nbytes()
             return t
 
         def count_block_input(module, args):
             # A checkpointed block's input is kept by checkpoint itself, outside autograd's saved tensors.
-            if checkpointing and not engine.in_backward:
+            if checkpointing and not engine.tracker.in_backward:
                 boundary[args[0].untyped_storage().data_ptr()] = args[0].untyped_storage().nbytes()
 
         for block in model.blocks:

@@ -12,6 +12,7 @@ import torch
 
 import zerokit as zk
 from common import OddBlock, odd_batch, odd_model
+from zerokit.commands.step import train_step
 from zerokit.launch import run_ranks
 
 STEPS, BATCH = 4, 3
@@ -31,12 +32,8 @@ def _train_cuda(rank, world_size, stage, precision, **kw):
     engine = zk.shard(model, torch.optim.SGD, stage=stage, precision=precision, wrap=(OddBlock,), **kw, **SGD)
     losses = []
     for step in range(STEPS):
-        engine.zero_grad()
-        x, y = (t.to(device) for t in odd_batch(step, BATCH, rank, world_size))
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach().float())
+        batch = [t.to(device) for t in odd_batch(step, BATCH, rank, world_size)]
+        losses.append(train_step(engine, [batch], lambda b: engine(*b)).loss.float())
     torch.cuda.synchronize()
     sd = {k: v.cpu() for k, v in engine.state_dict(full=True).items()}
     return torch.stack(losses).cpu(), sd, engine

@@ -64,7 +64,7 @@ def test_range_types_accept_the_bounds_and_name_the_range():
 
 def test_compare_stages_parse_in_order_once_each():
     """--stages 3,0,3 runs stage 3 then stage 0."""
-    from zerokit.compare import stage_list
+    from zerokit.commands.compare import stage_list
     assert stage_list("3,0,3") == [3, 0]
     assert stage_list(" 1 , 2 ") == [1, 2]
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from zerokit.explain import layout_report, render
+from zerokit.commands.explain import layout_report, render
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -103,7 +103,7 @@ def test_every_stage_imports_and_none_is_skipped():
     import importlib
 
     import zerokit as zk
-    from zerokit.compare import available_stages
+    from zerokit.commands.compare import available_stages
 
     assert sorted(zk.STAGES) == [0, 1, 2, 3]
     for stage, where in zk.STAGES.items():

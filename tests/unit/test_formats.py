@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerokit.cli import main as cli_main
-from zerokit.formats import (
+from zerokit.commands.formats import (
     FP16_CATEGORIES,
     ActivationGradRecorder,
     classify_fp16,

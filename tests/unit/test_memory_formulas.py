@@ -1,4 +1,4 @@
-"""The analytic memory formulas (core/memory.py), `zerokit memory` and `zerokit plan`.
+"""The analytic memory formulas (core/estimate.py), `zerokit memory` and `zerokit plan`.
 
 No process group. Activation estimates are checked against the tensors autograd really saves in
 a forward pass of models.GPT (captured with saved_tensors_hooks).
@@ -15,16 +15,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerokit.cli import main
-from zerokit.core.memory import (
+from zerokit.cli import main, parse_bytes, parse_count
+from zerokit.commands.plan import guess_shape, lora_adapter_params, plan
+from zerokit.core.estimate import (
     MemoryEstimate,
     activation_bytes_estimate,
     estimate,
     per_rank_formula,
     zero3_working_set_bytes,
 )
-from zerokit.memory_cmd import parse_bytes, parse_count
-from zerokit.plan import guess_shape, lora_adapter_params, plan
 
 psis = st.integers(min_value=0, max_value=10**13)
 world_sizes = st.integers(min_value=1, max_value=4096)

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 import zerokit as zk
-from zerokit.core.memory import ActivationMeter, activation_bytes_estimate, comm_bytes_per_step, ledger, \
-    measure_activations
-from zerokit.memory_cmd import simulate_rank
+from zerokit.commands.memory import simulate_rank
+from zerokit.core.estimate import activation_bytes_estimate, comm_bytes_per_step
+from zerokit.core.ledger import ActivationMeter, ledger, measure_activations
 from zerokit.models import GPTConfig, build_model, preset
 
 

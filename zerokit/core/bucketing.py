@@ -1,6 +1,6 @@
 """Buckets: which parameters' gradients travel together, and the queue of collectives in flight.
 
-A bucket is one `FlatParam` (see flat_param.py): its gradient buffer is the unit a
+A bucket is one `FlatParamLayout` (see flat_param.py): its gradient buffer is the unit a
 stage hands to one collective. Small buckets start communicating early in backward
 (more overlap) but pay a per-collective latency; large ones amortise latency but start
 late. `bucket_numel` caps a bucket's elements (DDP's `bucket_cap_mb`, in elements).

@@ -1,24 +1,27 @@
-"""What every stage's engine shares and no stage differs in.
+"""What every stage's engine shares, and the interface every stage implements.
 
-Calling the wrapped model (with mixed precision's input cast), scaling the loss for fp16,
-the `no_sync` switch, `summon_full_params` (stage 3 overrides it; params are whole below),
-global gradient-norm clipping over shards, and the ledgers (`comm_stats`, `memory`). Each stage
-file subclasses `Engine` directly (no stage inherits from another) and implements, in
-this order: construction (partition), the bucket hook, the end of backward, `step`,
-`zero_grad`, `state_dict`, and `memory_tensors` (what it holds, by category), and last
-`load_flat_params`, the one stage-specific step of loading a checkpoint: `save` and `load`
-themselves are generic (zerokit/checkpoint.py), driven by `flat_params` and the optimizer's
-master shards.
+Shared here: calling the wrapped model (with mixed precision's input cast), scaling the
+loss for fp16, the `no_sync` switch, `summon_full_params` (stage 3 overrides it; params are
+whole below), global gradient-norm clipping over shards, taking over what user code did to
+`param.grad` before a step, and the ledgers (`comm_stats`, `memory`).
+
+Each stage file subclasses `Engine` directly (no stage inherits from another) and
+implements the methods of "the stage interface" below, in this order in every file:
+construction (partition), the gradient hook, the end of backward, `step`, `zero_grad`,
+`state_dict`, what it holds (`memory_tensors`, `comm_buffer_tensors`, `norm_shards`), and
+`load_flat_params`, the one stage-specific step of loading a checkpoint. Saving and loading
+themselves are generic (zerokit/checkpoint.py, mixed into each stage's engine), driven by
+`flat_params` and the optimizer's master shards; core depends on no feature module.
 """
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterator
 
 import torch
 from torch import nn
 
+from zerokit.core.config import ShardConfig
 from zerokit.core.precision import LossScaler, PrecisionPolicy, cast_floating_tensors
 
 
@@ -29,15 +32,18 @@ class Engine:
     stage: int = -1
 
     def __init__(self, module: nn.Module, comm, policy: PrecisionPolicy, scaler: LossScaler | None,
-                 cast_inputs: bool = True):
+                 config: ShardConfig):
         self.module = module
         self.comm = comm
         self.policy = policy
         self.scaler = scaler
+        self.config = config
         self.rank, self.world_size = comm.rank, comm.world_size
         self.sync_gradients = True  # False inside no_sync(): accumulate locally, no communication
         # bf16/fp16: floating-point forward inputs are cast to the param dtype (None: no cast).
-        self.input_dtype = policy.param_dtype if cast_inputs and policy.needs_master else None
+        self.input_dtype = policy.param_dtype if config.cast_inputs and policy.needs_master else None
+        # Set by clip_grad_norm_, handed to the next optimizer step, forgotten by zero_grad.
+        self.clip_coef: torch.Tensor | None = None
 
     # -- running the model ------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -119,9 +125,13 @@ class Engine:
             norm = norm / self.scaler.scale
         # Spelled as torch.nn.utils.clip_grad_norm_ spells it (a Python float over a tensor is a
         # reciprocal and a multiply), so both give the same coefficient bit for bit.
-        coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
-        self.optimizer.grad_multiplier = coef
+        self.clip_coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
         return norm
+
+    def take_clip_coef(self) -> torch.Tensor | None:
+        """The coefficient the last clip_grad_norm_ computed (None if none since the last step), once."""
+        coef, self.clip_coef = self.clip_coef, None
+        return coef
 
     # -- ledgers -------------------------------------------------------------------
     def comm_stats(self) -> dict[str, int]:
@@ -134,7 +144,7 @@ class Engine:
         The stage's model states (params, grads, master_params, optimizer_states, and stage
         3's unsharded buffers while alive) plus "comm_buffers": storage held only to
         communicate (reduce-dtype copies, all-gather inputs) — 0 between steps. Activations
-        are measured around a forward/backward with core/memory.py's ActivationMeter.
+        are measured around a forward/backward with core/ledger.py's ActivationMeter.
         """
         seen: set = set()
         out = {}
@@ -184,30 +194,40 @@ class Engine:
             "so an assigned full gradient cannot be used. Change gradients in place (p.grad.mul_(), clamp_(), "
             "zero_()) or use stage=0")
 
-    # -- implemented by each stage ---------------------------------------------------
+    # -- the stage interface: implemented by each stage file, in this order ------------------
+    # 1. construction (the partition) and 2. the gradient hook are each stage's own.
+
     def finish_backward(self) -> None:
+        """3. Complete a backward: every gradient reduction waited for (idempotent; step calls it)."""
+        raise NotImplementedError
+
+    def step(self) -> bool:
+        """4. One optimizer step on this rank's shards, then whatever makes params whole again.
+
+        Returns False when fp16 skipped it (an inf/nan gradient on any rank).
+        """
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        """5. Clear every gradient (and a clip coefficient not yet used), ready for the next backward."""
+        raise NotImplementedError
+
+    def state_dict(self, full: bool = True) -> dict[str, torch.Tensor]:
+        """6. The unwrapped model's state_dict (same keys), fp32 master values where they exist."""
         raise NotImplementedError
 
     def norm_shards(self) -> list[torch.Tensor]:
+        """The averaged gradient this rank sums squares over for the global norm (disjoint across ranks)."""
         raise NotImplementedError
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What the stage holds, by ledger category (params, grads, master_params, optimizer_states, ...)."""
         raise NotImplementedError
 
     def comm_buffer_tensors(self) -> list[torch.Tensor]:
+        """Storage alive only to communicate right now (none between steps)."""
         return []
 
     def load_flat_params(self, flats: list[torch.Tensor]) -> None:
-        """Write full values into the stage's storage: flats[i] is flat param i's (padded_numel,) fp32 buffer."""
+        """7. Write full values into the stage's storage: flats[i] is flat param i's (padded_numel,) fp32 buffer."""
         raise NotImplementedError
-
-    # -- checkpoints (zerokit/checkpoint.py; generic over stages) ---------------------------
-    def save(self, directory: str | os.PathLike, extra: dict | None = None) -> None:
-        """Write a sharded checkpoint (every rank its own range; rank 0 the model and meta). A collective."""
-        from zerokit import checkpoint  # imported here: core never depends on the package at import time
-        checkpoint.save(self, directory, extra=extra)
-
-    def load(self, directory: str | os.PathLike) -> dict:
-        """Load a checkpoint saved at any world size, stage or precision; returns its meta (with `extra`)."""
-        from zerokit import checkpoint
-        return checkpoint.load(self, directory)

@@ -2,7 +2,8 @@
 
 Parameters are grouped by (dtype, requires_grad, hyperparameter overrides); each group
 is cut into buckets of at most `bucket_numel` elements (walking parameters in reverse
-registration order, the order gradients arrive), and each bucket is one `FlatParam`:
+registration order, the order gradients arrive; stage 3 cuts per unit and never splits a
+group), and each bucket is described by one `FlatParamLayout`:
 
     flat_param  (padded_numel,)   p0 | p1 | p2 | zero padding (< world_size)
     param_shard (shard_numel,)    this rank's range [rank * shard_numel, (rank + 1) * shard_numel)
@@ -31,8 +32,15 @@ from zerokit.core.user_grads import ShardedGrad
 ParamGroupFn = Callable[[str, nn.Parameter], dict]
 
 
-class FlatParam:
-    """One padded flat buffer's worth of parameters (the layout; storage is the stage's business)."""
+class FlatParamLayout:
+    """Which parameters one padded flat buffer holds and where: a layout, no storage of its own.
+
+    The storage is the stage's: `flat_data` (padded_numel,) params, `flat_grads`
+    (padded_numel,) gradients, `grad_shards` / `param_shards` (shard_numel,), each a list
+    indexed by `index`. This object makes module parameters views into them
+    (`flatten_params`, `use_as_param_storage`, `use_as_grad_storage`) and remembers what it
+    put in each `.grad` (core/user_grads.py).
+    """
 
     def __init__(self, index: int, names: list[list[str]], params: list[nn.Parameter], dtype: torch.dtype,
                  requires_grad: bool, options: dict, world_size: int, rank: int):
@@ -182,7 +190,7 @@ class FlatParam:
         return flat[lo:hi]
 
     def __repr__(self) -> str:
-        return (f"FlatParam(index={self.index}, params={len(self.params)}, numel={self.numel}, "
+        return (f"FlatParamLayout(index={self.index}, params={len(self.params)}, numel={self.numel}, "
                 f"padded={self.padded_numel}, dtype={self.dtype}, requires_grad={self.requires_grad})")
 
 
@@ -207,9 +215,11 @@ def unique_params(module: nn.Module, param_groups: ParamGroupFn | None = None) -
     return list(by_id.values())
 
 
-def build_flat_params(infos: list[ParamInfo], world_size: int, rank: int, bucket_numel: int,
-                      first_index: int = 0) -> list[FlatParam]:
+def build_flat_params(infos: list[ParamInfo], world_size: int, rank: int, bucket_numel: int | None,
+                      first_index: int = 0) -> list[FlatParamLayout]:
     """Group parameters by (dtype, requires_grad, overrides) and cut each group into buckets.
+
+    `bucket_numel=None`: one flat param per group, never split (stage 3's units).
 
     The result is ordered by the latest-registered parameter of each bucket, descending:
     roughly the order in which backward completes them, which is the order every rank
@@ -222,13 +232,14 @@ def build_flat_params(infos: list[ParamInfo], world_size: int, rank: int, bucket
     planned: list[tuple[int, tuple, list[int]]] = []
     for key, members in groups.items():
         numels = [infos[i].param.numel() for i in members]
-        for bucket in plan_buckets(numels, bucket_numel):
+        cuts = plan_buckets(numels, bucket_numel) if bucket_numel is not None else [list(range(len(members)))]
+        for bucket in cuts:
             indices = [members[j] for j in bucket]
             planned.append((max(indices), key, indices))
     planned.sort(key=lambda t: -t[0])
     flats = []
     for k, (_, (dtype, requires_grad, _opts), indices) in enumerate(planned):
-        flats.append(FlatParam(first_index + k, [infos[i].names for i in indices], [infos[i].param for i in indices],
+        flats.append(FlatParamLayout(first_index + k, [infos[i].names for i in indices], [infos[i].param for i in indices],
                                dtype, requires_grad, infos[indices[0]].options, world_size, rank))
     return flats
 

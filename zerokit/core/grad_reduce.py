@@ -1,48 +1,96 @@
-"""The one recipe by which every stage turns a gradient buffer into a collective's input.
+"""Averaging one bucket's gradient over ranks: the one call every stage makes for it.
+
+    r = GradReduction(comm, grad, reduce_dtype)   # cast to the reduce dtype if needed, divide by N
+    r.all_reduce()                                # stage 0, or:
+    r.reduce_scatter(grad_shard, accumulate)      # stages 1-3 (both asynchronous)
+    ... later ...
+    r.wait()          # the average is in r.result (stage 0) / in grad_shard (stages 1-3)
+
+A `GradReduction` owns every temporary the reduction needs: the reduce-dtype copy of the gradient (see [Note: reduce dtype]) and,
+when a grad shard accumulates a second synced backward, the reduce-scatter's own output.
+`transient` lists them (the stage reports them to the measured ledger, core/ledger.py, as
+comm_buffers); `wait()` finishes the reduction and lets go of what is no longer needed.
 
 [Note: reduce dtype]
 Gradients come out of backward in the param dtype, because that is what autograd
-accumulates into (a flat bucket at stages 0-2, a unit's unsharded gradient at stage 3).
+accumulates into (a flat bucket at stages 0-2, a unit's flat gradient at stage 3).
 `PrecisionPolicy.reduce_dtype` says in which dtype they are summed across ranks. When it
 equals the param dtype, the buffer itself is scaled by 1/N in place and handed to the
-collective, as before. When it differs (say bf16 params, fp32 reductions), the buffer is
-copied into a new reduce-dtype buffer first and the 1/N pre-division happens *after* that
-cast, in the reduce dtype, so no low-precision rounding sits between the local gradient
-and the sum. The sum runs in the reduce dtype (communication bytes scale with its element
-size: 2x for fp32 reductions of bf16 gradients), and its result, the grad shard, stays in
-the reduce dtype, so the optimizer forms its fp32 master gradient from it without a second
-rounding.
+collective. When it differs (say bf16 params, fp32 reductions), the buffer is copied into a
+new reduce-dtype buffer first and the 1/N pre-division happens *after* that cast, in the
+reduce dtype, so no low-precision rounding sits between the local gradient and the sum. The
+sum runs in the reduce dtype (communication bytes scale with its element size: 2x for fp32
+reductions of bf16 gradients), and its result stays in the reduce dtype (stage 0: the copy,
+`result`; stages 1-3: the grad shard, allocated in the reduce dtype), so the optimizer forms
+its fp32 master gradient from it without a second rounding. `copied` tells the stage that
+the param-dtype buffer is no longer read by the collective and may be released.
 
-Every stage calls `grad_reduce_input` and nothing else for this, which is what keeps the
-stages bitwise equal to each other under any reduce dtype: cast and scale are elementwise,
-and the rank-ordered reduction (core/comm.py [Note: ordered reduction]) makes the sum of an
-element independent of the buffer it sits in.
-
-The returned buffer is the caller's to keep alive until its collective has completed (and,
-at stage 0, until the optimizer has read it); stages report it through
-`comm_buffer_tensors()` so the measured ledger (core/memory.py) attributes its bytes.
+Every stage reduces through this class and nothing else, which is what keeps the stages
+bitwise equal to each other under any reduce dtype: cast and scale are elementwise, and the
+rank-ordered reduction (core/comm.py [Note: ordered reduction]) makes the sum of an element
+independent of the buffer it sits in.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["grad_reduce_input", "needs_reduce_buffer"]
+__all__ = ["GradReduction"]
 
 
-def needs_reduce_buffer(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> bool:
-    """True when gradients are reduced in a dtype other than the one autograd accumulates in."""
-    return param_dtype != reduce_dtype
-
-
-def grad_reduce_input(grad: torch.Tensor, world_size: int, reduce_dtype: torch.dtype) -> torch.Tensor:
-    """The tensor to hand a gradient reduction: `grad` cast to `reduce_dtype`, then divided by N.
-
-    Same dtype: `grad` itself, scaled in place (no extra memory). Different dtype: a new
-    buffer of `grad`'s shape in `reduce_dtype` ((padded_numel,) for a flat bucket), scaled
-    after the cast; `grad` is left untouched. See [Note: reduce dtype].
-    """
+def _send_buffer(grad: torch.Tensor, world_size: int, reduce_dtype: torch.dtype) -> torch.Tensor:
+    """`grad` cast to `reduce_dtype` (a new buffer only when the dtype differs), then divided by N."""
     if grad.dtype == reduce_dtype:
-        return grad.mul_(1.0 / world_size)  # pre-divide, as torch DDP does
+        return grad.mul_(1.0 / world_size)  # pre-divide in place, as torch DDP does
     send = torch.empty(grad.shape, dtype=reduce_dtype, device=grad.device)  # transient, reduce dtype
     send.copy_(grad)
     return send.mul_(1.0 / world_size)
+
+
+class GradReduction:
+    """One gradient buffer on its way to being averaged over ranks.
+
+    Built in two moves so that the stage can record it (and the ledger see its temporaries)
+    before any collective runs: the constructor casts and pre-divides, `all_reduce` or
+    `reduce_scatter` launches (asynchronously), `wait` finishes.
+    """
+
+    def __init__(self, comm, grad: torch.Tensor, reduce_dtype: torch.dtype):
+        self.comm = comm
+        self.send = _send_buffer(grad, comm.world_size, reduce_dtype)  # what the collective reads
+        self.copied = self.send is not grad  # True: a reduce-dtype copy; the param-dtype buffer may go
+        self.transient: list[torch.Tensor] = [self.send] if self.copied else []  # comm_buffers in the ledger
+        self.result: torch.Tensor | None = None  # where the average is once wait() returns
+        self._handle = None
+        self._add_into: torch.Tensor | None = None
+
+    def all_reduce(self, phase: str = "backward") -> "GradReduction":
+        """Average a replicated buffer (stage 0). `result`: the gradient buffer itself, or its reduce-dtype copy."""
+        self.result = self.send
+        self._handle = self.comm.all_reduce(self.send, async_op=True, phase=phase)
+        return self
+
+    def reduce_scatter(self, grad_shard: torch.Tensor, accumulate: bool = False,
+                       phase: str = "backward") -> "GradReduction":
+        """This rank's range of the average into `grad_shard` (shard_numel,) (stages 1-3).
+
+        `accumulate`: add it to what `grad_shard` holds (a second synced backward since the
+        gradients were cleared, as torch's `.grad` accumulates) instead of overwriting it.
+        `grad_shard` may be this rank's range of the gradient buffer itself (stage 1:
+        core/comm.py handles the aliasing).
+        """
+        self.result = grad_shard
+        out = grad_shard
+        if accumulate:
+            out = torch.empty_like(grad_shard)  # (shard_numel,) reduce dtype, added on completion
+            self.transient.append(out)
+            self._add_into, self.result = grad_shard, out
+        self._handle = self.comm.reduce_scatter(out, self.send, async_op=True, phase=phase)
+        return self
+
+    def wait(self) -> None:
+        """Block until the average is in place; release the temporaries the result does not live in."""
+        self._handle.wait()
+        if self._add_into is not None:
+            self._add_into.add_(self.result)
+            self.result, self._add_into = self._add_into, None
+        self.transient = [t for t in self.transient if t is self.result]

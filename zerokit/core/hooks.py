@@ -12,15 +12,20 @@
   frees full-size gradients between backwards) and to take over what user code did to
   `.grad` since the last backward (core/user_grads.py [Note: param.grad belongs to the user]).
 
-Buckets are released to the stage strictly in bucket order (`FlatParam.index`), as
-DDP does: a bucket that fills early waits for the ones before it. That keeps the
-sequence of collectives identical on every rank even when ranks see their gradients in
-different orders, or when a parameter gets no gradient on some rank (an unused
-branch): such buckets are released at the end of backward, in order, with the zeros
-they hold for the missing gradients.
+With `in_order=True` (stages 0-2) buckets are released to the stage strictly in bucket
+order (`FlatParamLayout.index`), as DDP does: a bucket that fills early waits for the ones
+before it. That keeps the sequence of collectives identical on every rank even when ranks
+see their gradients in different orders, or when a parameter gets no gradient on some rank
+(an unused branch): such buckets are released at the end of backward, in order, with the
+zeros they hold for the missing gradients. With `in_order=False` (stage 3, whose flat params
+follow the units, not the order gradients arrive in) a flat param is released the moment
+it is complete; like torch FSDP this assumes every rank runs the same graph, so every rank
+completes them in the same order. Flat params still incomplete at the end of backward are
+released then, in index order, under both policies.
 
 The end of backward is detected with autograd's queue_callback (the mechanism torch's
-DDP and FSDP use): the first hook of a backward queues `_end_of_backward`, which runs
+DDP and FSDP use): the first hook of a backward (or the stage, through `begin_backward`,
+when something of its own runs first in backward) queues `_end_of_backward`, which runs
 once the autograd engine has finished the whole graph.
 """
 from __future__ import annotations
@@ -29,15 +34,16 @@ from typing import Callable
 
 import torch
 
-from zerokit.core.flat_param import FlatParam
+from zerokit.core.flat_param import FlatParamLayout
 
 
 class GradReadyTracker:
-    def __init__(self, flat_params: list[FlatParam], on_bucket_ready: Callable[[FlatParam], None],
+    def __init__(self, flat_params: list[FlatParamLayout], on_bucket_ready: Callable[[FlatParamLayout], None],
                  on_backward_end: Callable[[], None],
-                 on_first_grad: Callable[[FlatParam], None] | None = None):
+                 on_first_grad: Callable[[FlatParamLayout], None] | None = None, in_order: bool = True):
         self.flat_params = [fp for fp in flat_params if fp.requires_grad]
         assert [fp.index for fp in self.flat_params] == sorted(fp.index for fp in self.flat_params)
+        self.in_order = in_order
         self.on_bucket_ready = on_bucket_ready
         self.on_backward_end = on_backward_end
         self.on_first_grad = on_first_grad
@@ -54,10 +60,12 @@ class GradReadyTracker:
         self._pending = [len(fp.params) for fp in self.flat_params]
         self._seen = [[False] * len(fp.params) for fp in self.flat_params]
         self._started = [False] * len(self.flat_params)
-        self._next = 0  # first bucket not yet released
+        self._released = [False] * len(self.flat_params)
+        self._next = 0  # in_order: first bucket not yet released
 
     def _make_pre_hook(self, k: int):
         def pre_hook(grad: torch.Tensor) -> torch.Tensor:
+            self.begin_backward()
             if not self._started[k]:
                 self._started[k] = True
                 self.on_first_grad(self.flat_params[k])
@@ -72,27 +80,39 @@ class GradReadyTracker:
                     f"gradient hook fired twice in one backward for parameter {fp.names[j][0]!r}: "
                     "use torch.utils.checkpoint with use_reentrant=False, and engine.no_sync() for accumulation")
             self._seen[k][j] = True
-            if not self.in_backward:
-                self.in_backward = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self.begin_backward()
             self._pending[k] -= 1
-            self._release_ready()
+            if not self.in_order:
+                if self._pending[k] == 0:
+                    self._release(k)
+                return
+            while self._next < len(self.flat_params) and self._pending[self._next] == 0:
+                self._release(self._next)
         return ready_hook
 
-    def _release_ready(self) -> None:
-        while self._next < len(self.flat_params) and self._pending[self._next] == 0:
-            fp = self.flat_params[self._next]
-            self._next += 1
-            self.on_bucket_ready(fp)
+    def begin_backward(self) -> None:
+        """A backward is running: make sure `_end_of_backward` runs once autograd has finished it."""
+        if not self.in_backward:
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _release(self, k: int) -> None:
+        if self._released[k]:
+            return
+        self._released[k] = True
+        if k == self._next:
+            while self._next < len(self.flat_params) and self._released[self._next]:
+                self._next += 1
+        fp = self.flat_params[k]
+        if self.on_first_grad is not None and not self._started[k]:
+            self._started[k] = True
+            self.on_first_grad(fp)  # storage must exist (zeros) before its collective
+        self.on_bucket_ready(fp)
 
     def _end_of_backward(self) -> None:
         # Buckets with a parameter that got no gradient this time: release them in order.
-        while self._next < len(self.flat_params):
-            k, fp = self._next, self.flat_params[self._next]
-            self._next += 1
-            if self.on_first_grad is not None and not self._started[k]:
-                self.on_first_grad(fp)  # storage must exist (zeros) before its collective
-            self.on_bucket_ready(fp)
+        for k in range(len(self.flat_params)):
+            self._release(k)
         self._reset()
         self.in_backward = False
         self.on_backward_end()

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from zerokit.core.nest import map_tensors
+
 __all__ = ["PRECISIONS", "PrecisionPolicy", "make_policy", "LossScaler", "make_loss_scaler", "has_inf_or_nan",
            "cast_floating_tensors"]
 
@@ -268,19 +270,8 @@ def has_inf_or_nan(tensors: list[torch.Tensor]) -> torch.Tensor:
 def cast_floating_tensors(obj: Any, dtype: torch.dtype) -> Any:
     """`obj` with every floating-point tensor inside it cast to `dtype` (item 5 of the module docstring).
 
-    Walks tensors nested in lists, tuples (namedtuples keep their type) and dicts (their type
-    kept too); integer, bool and complex tensors and non-tensor leaves come back as they are.
+    Walks tensors nested in lists, tuples and dicts (core/nest.py: containers keep their
+    type); integer, bool and complex tensors and non-tensor leaves come back as they are.
     The cast is differentiable, so an input that requires grad gets its gradient in its own dtype.
     """
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(cast_floating_tensors(item, dtype) for item in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(cast_floating_tensors(item, dtype) for item in obj)
-    if isinstance(obj, dict):
-        out = copy.copy(obj)  # OrderedDict, defaultdict, ... keep their type and extras
-        for key, value in obj.items():
-            out[key] = cast_floating_tensors(value, dtype)
-        return out
-    return obj
+    return map_tensors(obj, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)

@@ -11,8 +11,8 @@ or FSDP2 (stages 2-3), or refuse them with an error — never let them silently 
 
 Two pieces do that:
 
-* `FlatParam` remembers which tensor it last put in each parameter's `.grad`
-  (`FlatParam.use_as_grad_storage` / `show_grads`), and `FlatParam.user_grad_changes()`
+* `FlatParamLayout` remembers which tensor it last put in each parameter's `.grad`
+  (`FlatParamLayout.use_as_grad_storage` / `show_grads`), and `FlatParamLayout.user_grad_changes()`
   compares: a `.grad` that is now None (or a `ShardedGrad` zeroed in place) was *cleared*
   by the user, any other tensor was *replaced*. Stages ask at the start of each bucket's
   backward (the gradient pre-hook, before autograd accumulates) and at `step`; see each

@@ -1,9 +1,13 @@
 """The sharded optimizer: a torch optimizer that only ever sees this rank's fp32 master shards.
 
-For each trainable flat buffer the stage hands over two tensors of equal extent:
+For each trainable flat buffer the stage hands over, once, at construction:
 
     param_shard (shard_numel,)  this rank's range of the low-precision (or fp32) params
+
+and at every `step(grad_shards, clip_coef)`:
+
     grad_shard  (shard_numel,)  the averaged gradient for exactly that range
+    clip_coef   0-dim fp32      max_norm / (norm + 1e-6) capped at 1 (engine.clip_grad_norm_), or None
 
 (At stage 0 the "shard" is the whole buffer: every rank updates everything.)
 
@@ -28,8 +32,10 @@ step() in numbered phases:
   4. copy master -> param shard (cast to the param dtype); drop transient fp32 grads.
 The all-gather that brings the updated shards back into full buffers is the stage's job.
 
-`grad_shards[k]` is read at every step, not cached: stage 0 under a distinct reduce dtype
-points it at the reduce-dtype buffer its all-reduce filled, for that step only.
+The stage passes the grad shards to every step rather than once: stage 0 under a distinct
+reduce dtype hands over the reduce-dtype buffer its all-reduce filled, for that step only.
+Checkpoints (zerokit/checkpoint.py) read and write states through `state_of` / `set_state`
+and the hyperparameters through `param_groups`.
 """
 from __future__ import annotations
 
@@ -40,15 +46,14 @@ from zerokit.core.precision import LossScaler, PrecisionPolicy, has_inf_or_nan
 
 class ShardedOptimizer:
     def __init__(self, optimizer_cls: type[torch.optim.Optimizer], optimizer_kwargs: dict,
-                 param_shards: list[torch.Tensor], grad_shards: list[torch.Tensor], options: list[dict],
+                 param_shards: list[torch.Tensor], options: list[dict],
                  policy: PrecisionPolicy, comm, scaler: LossScaler | None = None,
                  master_init: list[torch.Tensor] | None = None):
         """`master_init`: fp32 values the master shards start from (aligned with param_shards);
         by default the param shards themselves, which under bf16/fp16 are already rounded."""
-        assert len(param_shards) == len(grad_shards) == len(options)
+        assert len(param_shards) == len(options)
         self.policy, self.comm, self.scaler = policy, comm, scaler
         self.param_shards = param_shards
-        self.grad_shards = grad_shards
         if policy.needs_master:
             # (shard_numel,) fp32 each: the weights the optimizer really updates.
             sources = param_shards if master_init is None else master_init
@@ -65,7 +70,6 @@ class ShardedOptimizer:
             self.optimizer = optimizer_cls(param_groups, **optimizer_kwargs)
         except TypeError as exc:
             raise TypeError(f"could not build {optimizer_cls.__name__} with {optimizer_kwargs}: {exc}") from exc
-        self.grad_multiplier: torch.Tensor | None = None  # set by clipping, consumed by step
 
     def set_master_from_params(self) -> None:
         """Re-seed master shards from the param shards (after loading weights)."""
@@ -73,23 +77,28 @@ class ShardedOptimizer:
             for m, p in zip(self.master_shards, self.param_shards):
                 m.copy_(p)
 
-    def found_overflow(self) -> bool:
+    def found_overflow(self, grad_shards: list[torch.Tensor]) -> bool:
         """Phase 1: every rank learns whether any rank's gradient holds inf/nan. A CPU sync point."""
-        local = has_inf_or_nan(self.grad_shards)
+        local = has_inf_or_nan(grad_shards)
         return bool(self.comm.all_reduce_scalars(local.reshape(1), op="max").item() > 0)
 
-    def step(self) -> bool:
+    def step(self, grad_shards: list[torch.Tensor], clip_coef: torch.Tensor | None = None) -> bool:
+        """Update the master shards from `grad_shards` (aligned with param_shards); False if fp16 skipped it.
+
+        A grad shard in the master dtype is scaled in place (by the clip coefficient and the
+        inverse loss scale): the stage clears it before the next backward anyway.
+        """
+        assert len(grad_shards) == len(self.master_shards), (len(grad_shards), len(self.master_shards))
         # 1. overflow (fp16 only)
-        if self.scaler is not None and self.found_overflow():
+        if self.scaler is not None and self.found_overflow(grad_shards):
             self.scaler.update(True)
-            self.grad_multiplier = None
             return False
         # 2. master gradients: unscale and clip in one multiply, in fp32
-        multiplier = self.grad_multiplier
+        multiplier = clip_coef
         if self.scaler is not None:
             inv_scale = torch.tensor(1.0 / self.scaler.scale, dtype=torch.float32)
             multiplier = inv_scale if multiplier is None else multiplier * inv_scale
-        for master, grad in zip(self.master_shards, self.grad_shards):
+        for master, grad in zip(self.master_shards, grad_shards):
             if grad.dtype == master.dtype:
                 if multiplier is not None:
                     grad.mul_(multiplier)
@@ -108,8 +117,29 @@ class ShardedOptimizer:
             master.grad = None
         if self.scaler is not None:
             self.scaler.update(False)
-        self.grad_multiplier = None
         return True
+
+    # checkpoints ---------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The wrapped optimizer's class, as a checkpoint records it (module.QualName)."""
+        cls = type(self.optimizer)
+        return f"{cls.__module__}.{cls.__qualname__}"
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The wrapped optimizer's param groups (their "params" are master shards); hyperparameters may be set."""
+        return self.optimizer.param_groups
+
+    def state_of(self, master: torch.Tensor) -> dict:
+        """The optimizer state of one master shard (empty before its first step)."""
+        return self.optimizer.state.get(master, {})
+
+    def set_state(self, master: torch.Tensor, states: dict[str, torch.Tensor]) -> None:
+        """Replace one master shard's optimizer state (an empty dict: as before its first step)."""
+        self.optimizer.state.pop(master, None)
+        if states:
+            self.optimizer.state[master] = states
 
     # ledgers -------------------------------------------------------------
     def state_tensors(self) -> list[torch.Tensor]:

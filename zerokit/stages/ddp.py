@@ -16,15 +16,10 @@ What happens, per step:
 Collectives per step: one all-reduce of the gradients. Logical bytes per rank:
 2 * Ψ * g (g = gradient bytes per element; ZeRO accounting, see core/comm.py).
 
-Reduce dtype (core/grad_reduce.py [Note: reduce dtype]): when `policy.reduce_dtype` is not
-the param dtype (e.g. bf16 params, fp32 reductions), the buckets stay in the param dtype
-(autograd accumulates into them) and each ready bucket is cast into a new (padded_numel,)
-reduce-dtype buffer, scaled by 1/N there and all-reduced in it (g = reduce-dtype bytes:
-2x the bytes for fp32 reductions of bf16 gradients). The averaged gradient then lives in
-that buffer, which the optimizer reads, until `step` (or `zero_grad`) drops it: Ψ·r extra
-bytes from the bucket's hook to the step (fp32 reductions of bf16: 2Ψ + 4Ψ = 6Ψ gradient
-bytes at that moment), reported as comm_buffers; `param.grad` then shows that average (a
-core/user_grads.py ShardedGrad over it) while the bucket keeps this rank's local sum.
+Reduce dtype (core/grad_reduce.py [Note: reduce dtype]): with bf16 params and fp32
+reductions, a bucket's all-reduce runs on an fp32 copy, and the average lives in that copy
+until `step` (2Ψ + 4Ψ gradient bytes at that moment, the copy reported as comm_buffers);
+`param.grad` then shows the average, while the bucket keeps this rank's local sum.
 
 `param.grad` is the user's, as under torch DDP: after backward it is the averaged gradient,
 and in-place changes reach the step; `model.zero_grad()`, an optimizer's `zero_grad()` or
@@ -39,24 +34,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zerokit.checkpoint import Checkpointing
 from zerokit.core.bucketing import InFlight
+from zerokit.core.config import ShardConfig
 from zerokit.core.engine import Engine
-from zerokit.core.flat_param import FlatParam, broadcast_module_state, build_flat_params, check_module
-from zerokit.core.grad_reduce import grad_reduce_input
+from zerokit.core.flat_param import FlatParamLayout, broadcast_module_state, build_flat_params, check_module
+from zerokit.core.grad_reduce import GradReduction
 from zerokit.core.hooks import GradReadyTracker
 from zerokit.optim.sharded import ShardedOptimizer
 
 
-class DDPEngine(Engine):
+class DDPEngine(Checkpointing, Engine):
     stage = 0
 
     # 1. construct ------------------------------------------------------------------
     def __init__(self, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *, comm, policy, scaler,
-                 bucket_numel: int, param_groups=None, cast_inputs: bool = True, **_unused):
-        super().__init__(module, comm, policy, scaler, cast_inputs=cast_inputs)
-        infos = check_module(module, comm, self.stage, param_groups)
+                 config: ShardConfig):
+        super().__init__(module, comm, policy, scaler, config)
+        infos = check_module(module, comm, self.stage, config.param_groups)
         broadcast_module_state(module, comm)
-        self.flat_params: list[FlatParam] = build_flat_params(infos, self.world_size, self.rank, bucket_numel)
+        self.flat_params: list[FlatParamLayout] = build_flat_params(infos, self.world_size, self.rank,
+                                                                    config.bucket_numel)
         self.flat_data: list[torch.Tensor] = []  # (padded_numel,) param dtype, one per bucket
         self.flat_grads: list[torch.Tensor | None] = []  # (padded_numel,) full gradients, trainable buckets
         fp32_values = []  # (padded_numel,) fp32 each, construction only: what the masters start from
@@ -67,24 +65,20 @@ class DDPEngine(Engine):
             grad = fp.new_flat() if fp.requires_grad else None
             fp.use_as_grad_storage(grad)
             self.flat_grads.append(grad)
-        trainable = [fp for fp in self.flat_params if fp.requires_grad]
+        self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
         self.optimizer = ShardedOptimizer(
             optimizer_cls, optimizer_kwargs,
-            param_shards=[self.flat_data[fp.index] for fp in trainable],  # the whole buffer: replicated
-            grad_shards=[self.flat_grads[fp.index] for fp in trainable],
-            options=[fp.options for fp in trainable], policy=policy, comm=comm, scaler=scaler,
-            master_init=[fp32_values[fp.index] for fp in trainable])
+            param_shards=[self.flat_data[fp.index] for fp in self.trainable],  # the whole buffer: replicated
+            options=[fp.options for fp in self.trainable], policy=policy, comm=comm, scaler=scaler,
+            master_init=[fp32_values[fp.index] for fp in self.trainable])
         del fp32_values
-        # (padded_numel,) reduce dtype: a bucket's averaged gradient from its hook until step,
-        # only when the reduce dtype is not the param dtype (module docstring).
-        self.reduced_grads: list[torch.Tensor | None] = [None] * len(self.flat_params)
-        self._optimizer_slot = {fp.index: k for k, fp in enumerate(trainable)}  # bucket -> optimizer grad_shards[k]
+        self.reductions: dict[int, GradReduction] = {}  # bucket -> its all-reduce, from its hook until step
         self.in_flight = InFlight()
         self.tracker = GradReadyTracker(self.flat_params, self._on_bucket_ready, self._on_backward_end,
                                         on_first_grad=self._adopt_user_grads)
 
     # 2. gradient hook ---------------------------------------------------------------
-    def _adopt_user_grads(self, fp: FlatParam) -> None:
+    def _adopt_user_grads(self, fp: FlatParamLayout) -> None:
         """Autograd is about to add this bucket's first gradient: honour what user code did to `.grad`.
 
         `model.zero_grad()` or an optimizer's `zero_grad()` set `.grad` to None, which would
@@ -103,21 +97,20 @@ class DDPEngine(Engine):
                 view.copy_(fp.params[j].grad.reshape(-1))
         fp.use_as_grad_storage(grad)
 
-    def _on_bucket_ready(self, fp: FlatParam) -> None:
+    def _on_bucket_ready(self, fp: FlatParamLayout) -> None:
         """A bucket's gradients are all accumulated: average them over ranks, asynchronously."""
         if not self.sync_gradients:
             return  # no_sync: gradients keep accumulating in the bucket
-        grad = self.flat_grads[fp.index]
-        send = grad_reduce_input(grad, self.world_size, self.policy.reduce_dtype)  # pre-divided by N
-        if send is not grad:  # a reduce-dtype copy: the optimizer reads the average from it
-            self.reduced_grads[fp.index] = send
-            self.optimizer.grad_shards[self._optimizer_slot[fp.index]] = send
-        if send is not grad or self.scaler is not None:
+        # Divided by N, then summed over ranks: the average, in the bucket or its reduce-dtype copy.
+        reduction = self.reductions[fp.index] = GradReduction(self.comm, self.flat_grads[fp.index],
+                                                              self.policy.reduce_dtype)
+        reduction.all_reduce()
+        if reduction.copied or self.scaler is not None:
             # `.grad` shows the average (not the bucket's local sum), and under fp16 unscaled
             # norms: a replicated ShardedGrad (core/user_grads.py), so that
             # torch.nn.utils.clip_grad_norm_ equals engine.clip_grad_norm_.
-            fp.show_grads(fp.sharded_grads(send, None, lambda: self.loss_scale))
-        self.in_flight.push(self.comm.all_reduce(send, async_op=True, phase="backward"))
+            fp.show_grads(fp.sharded_grads(reduction.result, None, lambda: self.loss_scale))
+        self.in_flight.push(reduction)
 
     # 3. finish backward ---------------------------------------------------------------
     def _on_backward_end(self) -> None:
@@ -132,13 +125,18 @@ class DDPEngine(Engine):
         """Update every parameter on every rank (replicated optimizer). False if fp16 skipped it."""
         self.finish_backward()
         self.check_user_grads_before_step()
-        stepped = self.optimizer.step()
-        self.release_reduced_grads()
+        stepped = self.optimizer.step([self.averaged_grad(fp) for fp in self.trainable], self.take_clip_coef())
+        self.drop_reductions()
         return stepped
 
-    def adopt_assigned_grads(self, fp: FlatParam, replaced: list[int]) -> None:
+    def averaged_grad(self, fp: FlatParamLayout) -> torch.Tensor:
+        """What the step reads for a bucket: the bucket itself, or the reduce-dtype copy its all-reduce averaged."""
+        reduction = self.reductions.get(fp.index)
+        return reduction.result if reduction is not None else self.flat_grads[fp.index]
+
+    def adopt_assigned_grads(self, fp: FlatParamLayout, replaced: list[int]) -> None:
         """A tensor assigned to `.grad` after backward is what a torch optimizer would read: so do we."""
-        grad = self.optimizer.grad_shards[self._optimizer_slot[fp.index]]  # the bucket or its reduce-dtype copy
+        grad = self.averaged_grad(fp)
         for j, view in zip(replaced, fp.grad_views_of(grad, replaced)):
             view.copy_(fp.params[j].grad.reshape(-1))
         if grad is self.flat_grads[fp.index]:
@@ -146,17 +144,17 @@ class DDPEngine(Engine):
         else:
             fp.show_grads(fp.sharded_grads(grad, None, lambda: self.loss_scale))
 
-    def release_reduced_grads(self) -> None:
-        """Drop the reduce-dtype buffers; the optimizer reads the param-dtype buckets again."""
-        for fp in self.flat_params:
-            if self.reduced_grads[fp.index] is not None:
-                self.reduced_grads[fp.index] = None
-                self.optimizer.grad_shards[self._optimizer_slot[fp.index]] = self.flat_grads[fp.index]
-                fp.use_as_grad_storage(self.flat_grads[fp.index])
+    def drop_reductions(self) -> None:
+        """Forget the step's reductions (and their reduce-dtype copies); `.grad` shows the buckets again."""
+        for index, reduction in self.reductions.items():
+            if reduction.copied:
+                self.flat_params[index].use_as_grad_storage(self.flat_grads[index])
+        self.reductions.clear()
 
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
-        self.release_reduced_grads()
+        self.clip_coef = None
+        self.drop_reductions()
         for fp, grad in zip(self.flat_params, self.flat_grads):
             if grad is not None:
                 grad.zero_()
@@ -167,17 +165,14 @@ class DDPEngine(Engine):
         """The unwrapped model's state_dict (same keys), fp32 master values where they exist."""
         sd = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         if self.policy.needs_master:
-            trainable = [fp for fp in self.flat_params if fp.requires_grad]
-            for fp, master in zip(trainable, self.optimizer.master_shards):
+            for fp, master in zip(self.trainable, self.optimizer.master_shards):
                 fp.write_into_state_dict(sd, master)
         return sd
 
     def norm_shards(self) -> list[torch.Tensor]:
         # Every rank holds the whole gradient; each sums only its own range so that the
         # norm is computed exactly as the sharded stages compute it.
-        # What the optimizer reads: the bucket, or its reduce-dtype copy (module docstring).
-        slot = self._optimizer_slot
-        return [fp.shard_of(self.optimizer.grad_shards[slot[fp.index]]) for fp in self.flat_params if fp.requires_grad]
+        return [fp.shard_of(self.averaged_grad(fp)) for fp in self.trainable]
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {
@@ -193,7 +188,7 @@ class DDPEngine(Engine):
         (core/comm.py's ordered reduction allocates its receive buffers inside each call and
         drops them when the call completes; they are not listed.)
         """
-        return [t for t in self.reduced_grads if t is not None]
+        return [t for reduction in self.reductions.values() for t in reduction.transient]
 
     # 7. checkpoint hook ------------------------------------------------------------------
     def load_flat_params(self, flats: list[torch.Tensor]) -> None:

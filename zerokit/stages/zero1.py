@@ -52,24 +52,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zerokit.checkpoint import Checkpointing
 from zerokit.core.bucketing import InFlight
+from zerokit.core.config import ShardConfig
 from zerokit.core.engine import Engine
-from zerokit.core.flat_param import FlatParam, broadcast_module_state, build_flat_params, check_module
-from zerokit.core.grad_reduce import grad_reduce_input, needs_reduce_buffer
+from zerokit.core.flat_param import FlatParamLayout, broadcast_module_state, build_flat_params, check_module
+from zerokit.core.grad_reduce import GradReduction
 from zerokit.core.hooks import GradReadyTracker
 from zerokit.optim.sharded import ShardedOptimizer
 
 
-class Zero1Engine(Engine):
+class Zero1Engine(Checkpointing, Engine):
     stage = 1
 
     # 1. construct ------------------------------------------------------------------
     def __init__(self, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *, comm, policy, scaler,
-                 bucket_numel: int, param_groups=None, cast_inputs: bool = True, **_unused):
-        super().__init__(module, comm, policy, scaler, cast_inputs=cast_inputs)
-        infos = check_module(module, comm, self.stage, param_groups)
+                 config: ShardConfig):
+        super().__init__(module, comm, policy, scaler, config)
+        infos = check_module(module, comm, self.stage, config.param_groups)
         broadcast_module_state(module, comm)
-        self.flat_params: list[FlatParam] = build_flat_params(infos, self.world_size, self.rank, bucket_numel)
+        self.flat_params: list[FlatParamLayout] = build_flat_params(infos, self.world_size, self.rank,
+                                                                    config.bucket_numel)
         self.flat_data: list[torch.Tensor] = []  # (padded_numel,) param dtype, one per bucket
         self.flat_grads: list[torch.Tensor | None] = []  # (padded_numel,) full gradients, trainable buckets
         # (shard_numel,) this rank's averaged range: a view into the bucket, or its own
@@ -87,30 +90,29 @@ class Zero1Engine(Engine):
             self.flat_grads.append(grad)
             if grad is None:
                 self.grad_shards.append(None)
-            elif needs_reduce_buffer(policy.param_dtype, policy.reduce_dtype):
+            elif policy.reduce_dtype != policy.param_dtype:
                 self.grad_shards.append(fp.new_flat(policy.reduce_dtype, numel=fp.shard_numel))
             else:
                 self.grad_shards.append(fp.shard_of(grad))
             self.grad_shard_written.append(False)
-        trainable = [fp for fp in self.flat_params if fp.requires_grad]
+        self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
         self.optimizer = ShardedOptimizer(
             optimizer_cls, optimizer_kwargs,
-            param_shards=[fp.shard_of(self.flat_data[fp.index]) for fp in trainable],  # views: updated in place
-            grad_shards=[self.grad_shards[fp.index] for fp in trainable],
-            options=[fp.options for fp in trainable], policy=policy, comm=comm, scaler=scaler,
-            master_init=[fp.shard_of(fp32_values[fp.index]) for fp in trainable])
+            param_shards=[fp.shard_of(self.flat_data[fp.index]) for fp in self.trainable],  # views: updated in place
+            options=[fp.options for fp in self.trainable], policy=policy, comm=comm, scaler=scaler,
+            master_init=[fp.shard_of(fp32_values[fp.index]) for fp in self.trainable])
         del fp32_values
         self.in_flight = InFlight()
-        self.reduce_buffers: dict[int, list[torch.Tensor]] = {}  # bucket -> its reduce-scatter's transient tensors
+        self.reductions: dict[int, GradReduction] = {}  # bucket -> its reduce-scatter, until it completes
         self.gather_inputs: list[torch.Tensor] = []  # (shard_numel,) clones, while all_gather_params runs
         # What `.grad` shows after a synced backward: this rank's part of the grad shard, per param.
         self.shown_grads = {fp.index: fp.sharded_grads(self.grad_shards[fp.index], comm, lambda: self.loss_scale)
-                            for fp in trainable}
+                            for fp in self.trainable}
         self.tracker = GradReadyTracker(self.flat_params, self._on_bucket_ready, self._on_backward_end,
                                         on_first_grad=self._adopt_user_grads)
 
     # 2. gradient hook ---------------------------------------------------------------
-    def _adopt_user_grads(self, fp: FlatParam) -> None:
+    def _adopt_user_grads(self, fp: FlatParamLayout) -> None:
         """Autograd is about to add this bucket's first gradient: honour what user code did to `.grad`.
 
         Cleared `.grad`s (None, or zeroed in place) start from zero; an assigned tensor is
@@ -135,15 +137,14 @@ class Zero1Engine(Engine):
             view.copy_(fp.params[j].grad.reshape(-1))
         fp.use_as_grad_storage(grad)  # plain views: autograd accumulates into the bucket
 
-    def _on_bucket_ready(self, fp: FlatParam) -> None:
+    def _on_bucket_ready(self, fp: FlatParamLayout) -> None:
         """A bucket's gradients are all accumulated. Stage 1 keeps the full gradient until backward ends."""
 
     # 3. finish backward ---------------------------------------------------------------
     def _on_backward_end(self) -> None:
         if self.sync_gradients:  # no_sync: gradients keep accumulating in the full buckets
-            for fp in self.flat_params:  # bucket order: the same collective sequence on every rank
-                if fp.requires_grad:
-                    self.reduce_scatter_grad(fp)
+            for fp in self.trainable:  # bucket order: the same collective sequence on every rank
+                self.reduce_scatter_grad(fp)
         self.in_flight.wait_all()
         if self.sync_gradients:  # `.grad` shows what exists of the average: this rank's shard
             for index, shown in self.shown_grads.items():
@@ -153,7 +154,7 @@ class Zero1Engine(Engine):
         self.tracker.finish_if_pending()
         self.in_flight.wait_all()
 
-    def reduce_scatter_grad(self, fp: FlatParam) -> None:
+    def reduce_scatter_grad(self, fp: FlatParamLayout) -> None:
         """Launch: the rank-average of this rank's range overwrites that range (the grad shard)."""
         if self.grad_shard_written[fp.index]:
             raise RuntimeError(
@@ -161,16 +162,13 @@ class Zero1Engine(Engine):
                 f"holding {fp.names[0][0]!r}; accumulate gradients inside engine.no_sync() and let only the last "
                 "micro-step synchronise, or clear gradients between steps (engine.zero_grad() or model.zero_grad())")
         self.grad_shard_written[fp.index] = True
-        grad = self.flat_grads[fp.index]  # (padded_numel,)
-        # Pre-divide (and cast) exactly as stage 0 does, so the sums agree bit for bit.
-        send = grad_reduce_input(grad, self.world_size, self.policy.reduce_dtype)
-        if send is not grad:  # a reduce-dtype copy, alive until its reduce-scatter completes
-            self.reduce_buffers[fp.index] = [send]  # (padded_numel,) reduce dtype
-        # send is grad: in place, the output is this rank's range of the input (comm handles the aliasing).
-        self.in_flight.push(self.comm.reduce_scatter(self.grad_shards[fp.index], send, async_op=True,
-                                                     phase="backward"),
-                            lambda index=fp.index: self.reduce_buffers.pop(index, None))
-        if send is not grad:
+        # Divided by N (and cast) exactly as stage 0 does, so the sums agree bit for bit. Without a
+        # reduce-dtype copy the output is this rank's range of the bucket itself (comm handles the aliasing).
+        reduction = self.reductions[fp.index] = GradReduction(self.comm, self.flat_grads[fp.index],
+                                                              self.policy.reduce_dtype)
+        reduction.reduce_scatter(self.grad_shards[fp.index])
+        self.in_flight.push(reduction, lambda index=fp.index: self.reductions.pop(index))
+        if reduction.copied:
             self.in_flight.wait_until(1)  # the CPU waits: at most two reduce-dtype copies alive
 
     # 4. step ---------------------------------------------------------------------------
@@ -178,7 +176,7 @@ class Zero1Engine(Engine):
         """Update this rank's shard of every buffer, then all-gather. False if fp16 skipped it."""
         self.finish_backward()
         self.check_user_grads_before_step()
-        stepped = self.optimizer.step()
+        stepped = self.optimizer.step([self.grad_shards[fp.index] for fp in self.trainable], self.take_clip_coef())
         if stepped:  # a skipped step changed no shard: the full buffers are still current
             self.all_gather_params()
         return stepped
@@ -193,22 +191,21 @@ class Zero1Engine(Engine):
         # under mixed precision would read twice as many bytes for the same result. The
         # clones live until every gather completes: Ψ·p/N transient bytes.
         inputs = self.gather_inputs  # listed by comm_buffer_tensors() while they are alive
-        for fp in self.flat_params:
-            if fp.requires_grad:
-                flat = self.flat_data[fp.index]  # (padded_numel,)
-                param_shard = fp.shard_of(flat).clone()  # (shard_numel,)
-                inputs.append(param_shard)
-                self.in_flight.push(self.comm.all_gather(flat, param_shard, async_op=True, phase="step"))
+        for fp in self.trainable:
+            flat = self.flat_data[fp.index]  # (padded_numel,)
+            param_shard = fp.shard_of(flat).clone()  # (shard_numel,)
+            inputs.append(param_shard)
+            self.in_flight.push(self.comm.all_gather(flat, param_shard, async_op=True, phase="step"))
         self.in_flight.wait_all()
         inputs.clear()
 
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
-        for fp in self.flat_params:
-            if fp.requires_grad:
-                self._zero_bucket(fp)
+        self.clip_coef = None
+        for fp in self.trainable:
+            self._zero_bucket(fp)
 
-    def _zero_bucket(self, fp: FlatParam) -> None:
+    def _zero_bucket(self, fp: FlatParamLayout) -> None:
         self.flat_grads[fp.index].zero_()  # the grad shard, if a view, is zeroed with it
         if self.grad_shards[fp.index].dtype != self.flat_grads[fp.index].dtype:  # its own tensor
             self.grad_shards[fp.index].zero_()
@@ -223,15 +220,14 @@ class Zero1Engine(Engine):
         """
         sd = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         if self.policy.needs_master:
-            trainable = [fp for fp in self.flat_params if fp.requires_grad]
-            for fp, master_shard in zip(trainable, self.optimizer.master_shards):
+            for fp, master_shard in zip(self.trainable, self.optimizer.master_shards):
                 master = fp.new_flat(torch.float32)  # (padded_numel,) fp32, transient
                 self.comm.all_gather(master, master_shard, phase="state_dict")
                 fp.write_into_state_dict(sd, master)
         return sd
 
     def norm_shards(self) -> list[torch.Tensor]:
-        return [self.grad_shards[fp.index] for fp in self.flat_params if fp.requires_grad]
+        return [self.grad_shards[fp.index] for fp in self.trainable]
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {
@@ -248,7 +244,7 @@ class Zero1Engine(Engine):
         (core/comm.py's ordered reduction allocates its receive buffers inside each call and
         drops them when the call completes; they are not listed.)
         """
-        return [t for alive in self.reduce_buffers.values() for t in alive] + self.gather_inputs
+        return [t for reduction in self.reductions.values() for t in reduction.transient] + self.gather_inputs
 
     # 7. checkpoint hook ------------------------------------------------------------------
     def load_flat_params(self, flats: list[torch.Tensor]) -> None:

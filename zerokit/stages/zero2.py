@@ -68,33 +68,29 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zerokit.checkpoint import Checkpointing
 from zerokit.core.bucketing import InFlight
+from zerokit.core.config import ShardConfig
 from zerokit.core.engine import Engine
-from zerokit.core.flat_param import FlatParam, broadcast_module_state, build_flat_params, check_module
-from zerokit.core.grad_reduce import grad_reduce_input
+from zerokit.core.flat_param import FlatParamLayout, broadcast_module_state, build_flat_params, check_module
+from zerokit.core.grad_reduce import GradReduction
 from zerokit.core.hooks import GradReadyTracker
 from zerokit.optim.sharded import ShardedOptimizer
 
-ACCUMULATE_POLICIES = ("reduce_scatter", "local")
 
-
-class Zero2Engine(Engine):
+class Zero2Engine(Checkpointing, Engine):
     stage = 2
 
     # 1. construct ------------------------------------------------------------------
     def __init__(self, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *, comm, policy, scaler,
-                 bucket_numel: int, param_groups=None, accumulate: str = "reduce_scatter", max_in_flight: int = 2,
-                 cast_inputs: bool = True, **_unused):
-        if accumulate not in ACCUMULATE_POLICIES:
-            raise ValueError(f"accumulate must be one of {ACCUMULATE_POLICIES}, got {accumulate!r} (rank {comm.rank})")
-        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 0:
-            raise ValueError(f"max_in_flight must be an int >= 0, got {max_in_flight!r} (rank {comm.rank})")
-        super().__init__(module, comm, policy, scaler, cast_inputs=cast_inputs)
-        self.accumulate = accumulate
-        self.max_in_flight = max_in_flight
-        infos = check_module(module, comm, self.stage, param_groups)
+                 config: ShardConfig):
+        super().__init__(module, comm, policy, scaler, config)
+        self.accumulate = config.accumulate  # how no_sync() micro-steps accumulate (module docstring)
+        self.max_in_flight = config.max_in_flight  # reduce-scatters left running before a hook waits
+        infos = check_module(module, comm, self.stage, config.param_groups)
         broadcast_module_state(module, comm)
-        self.flat_params: list[FlatParam] = build_flat_params(infos, self.world_size, self.rank, bucket_numel)
+        self.flat_params: list[FlatParamLayout] = build_flat_params(infos, self.world_size, self.rank,
+                                                                    config.bucket_numel)
         self.flat_data: list[torch.Tensor] = []  # (padded_numel,) param dtype, one per bucket
         # (padded_numel,) full gradients: None except while a bucket is being accumulated or
         # reduce-scattered (or kept across no_sync micro-steps under accumulate="local").
@@ -108,32 +104,31 @@ class Zero2Engine(Engine):
             data, fp32 = fp.flatten_params(policy.param_dtype)  # bf16/fp16 params (frozen too) when mixed
             self.flat_data.append(data)
             fp32_values.append(fp32)
-            fp.use_as_grad_storage(None)  # allocated lazily by _on_first_grad
+            fp.use_as_grad_storage(None)  # allocated lazily, just before autograd needs it
             self.flat_grads.append(None)
             self.grad_shards.append(fp.new_flat(policy.reduce_dtype, numel=fp.shard_numel)
                                     if fp.requires_grad else None)
             self.grad_shard_written.append(False)
+        self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
         # What `.grad` shows between backwards: this rank's part of the grad shard, per param.
         self.shown_grads = {fp.index: fp.sharded_grads(self.grad_shards[fp.index], comm, lambda: self.loss_scale)
-                            for fp in self.flat_params if fp.requires_grad}
-        for index, shown in self.shown_grads.items():
-            self.flat_params[index].show_grads(shown)
-        trainable = [fp for fp in self.flat_params if fp.requires_grad]
+                            for fp in self.trainable}
+        for fp in self.trainable:
+            fp.show_grads(self.shown_grads[fp.index])
         self.optimizer = ShardedOptimizer(
             optimizer_cls, optimizer_kwargs,
-            param_shards=[fp.shard_of(self.flat_data[fp.index]) for fp in trainable],  # views: updated in place
-            grad_shards=[self.grad_shards[fp.index] for fp in trainable],
-            options=[fp.options for fp in trainable], policy=policy, comm=comm, scaler=scaler,
-            master_init=[fp.shard_of(fp32_values[fp.index]) for fp in trainable])
+            param_shards=[fp.shard_of(self.flat_data[fp.index]) for fp in self.trainable],  # views: updated in place
+            options=[fp.options for fp in self.trainable], policy=policy, comm=comm, scaler=scaler,
+            master_init=[fp.shard_of(fp32_values[fp.index]) for fp in self.trainable])
         del fp32_values
         self.in_flight = InFlight()
-        self.reduce_buffers: dict[int, list[torch.Tensor]] = {}  # bucket -> its reduce-scatter's transient tensors
+        self.reductions: dict[int, GradReduction] = {}  # bucket -> its reduce-scatter, until it completes
         self.gather_inputs: list[torch.Tensor] = []  # (shard_numel,) clones, while all_gather_params runs
         self.tracker = GradReadyTracker(self.flat_params, self._on_bucket_ready, self._on_backward_end,
                                         on_first_grad=self._on_first_grad)
 
     # 2. gradient hook ---------------------------------------------------------------
-    def _on_first_grad(self, fp: FlatParam) -> None:
+    def _on_first_grad(self, fp: FlatParamLayout) -> None:
         """Autograd is about to accumulate this bucket's first gradient: give the bucket full-size storage."""
         cleared, replaced = fp.user_grad_changes()
         if self.flat_grads[fp.index] is None:  # else kept from a no_sync micro-step ("local")
@@ -146,7 +141,7 @@ class Zero2Engine(Engine):
         fp.use_as_grad_storage(grad)
         self.flat_grads[fp.index] = grad
 
-    def _adopt_user_grads(self, fp: FlatParam, cleared: list[int], replaced: list[int], grad: torch.Tensor) -> None:
+    def _adopt_user_grads(self, fp: FlatParamLayout, cleared: list[int], replaced: list[int], grad: torch.Tensor) -> None:
         """Honour what user code did to `.grad` since the last backward (core/user_grads.py [Note: param.grad
         belongs to the user]): a cleared param's part of the grad shard starts again from zero, as after
         zero_grad(); an assigned tensor is copied into the full bucket, the gradient to accumulate onto (DDP)."""
@@ -155,7 +150,7 @@ class Zero2Engine(Engine):
         for j, view in zip(replaced, fp.grad_views_of(grad, replaced)):
             view.copy_(fp.params[j].grad.reshape(-1))
 
-    def _on_bucket_ready(self, fp: FlatParam) -> None:
+    def _on_bucket_ready(self, fp: FlatParamLayout) -> None:
         """A bucket's gradients are all accumulated: reduce-scatter now, free the full buffer when done."""
         if not self.sync_gradients and self.accumulate == "local":
             return  # keep accumulating the full gradient; the last micro-step reduce-scatters it
@@ -172,41 +167,36 @@ class Zero2Engine(Engine):
         self.tracker.finish_if_pending()
         self.in_flight.wait_all()
 
-    def reduce_scatter_grad(self, fp: FlatParam) -> None:
-        """Launch: this rank's range of the bucket's rank-averaged gradient goes into its grad shard."""
-        grad = self.flat_grads[fp.index]  # (padded_numel,)
-        grad_shard = self.grad_shards[fp.index]  # (shard_numel,)
-        # Pre-divide (and cast) exactly as stage 0 does, so the sums agree bit for bit.
-        send = grad_reduce_input(grad, self.world_size, self.policy.reduce_dtype)
-        alive = []  # transient tensors of this reduce-scatter, listed by comm_buffer_tensors()
-        if send is not grad:  # the reduce-dtype copy is the input: the param-dtype bucket can go now
-            alive.append(send)
-            fp.show_grads(self.shown_grads[fp.index])
-            self.flat_grads[fp.index] = None
-        if not self.grad_shard_written[fp.index]:
-            out, add_into_shard = grad_shard, False
-        else:  # a later backward since zero_grad: accumulate, as torch's .grad does
-            out, add_into_shard = torch.empty_like(grad_shard), True
-            alive.append(out)
+    def reduce_scatter_grad(self, fp: FlatParamLayout) -> None:
+        """Launch: this rank's range of the bucket's rank-averaged gradient goes into its grad shard.
+
+        Divided by N (and cast) exactly as stage 0 does, so the sums agree bit for bit; added to
+        the grad shard when an earlier backward since zero_grad wrote it (as torch's .grad accumulates).
+        """
+        reduction = self.reductions[fp.index] = GradReduction(self.comm, self.flat_grads[fp.index],
+                                                              self.policy.reduce_dtype)
+        reduction.reduce_scatter(self.grad_shards[fp.index], accumulate=self.grad_shard_written[fp.index])
         self.grad_shard_written[fp.index] = True
-        self.reduce_buffers[fp.index] = alive
+        if reduction.copied:  # the collective reads the reduce-dtype copy: the param-dtype bucket can go now
+            self.release_flat_grad(fp)
 
-        def on_done() -> None:
-            if add_into_shard:
-                grad_shard.add_(out)
-            # The owners have this bucket's content now: release the full-size storage.
-            fp.show_grads(self.shown_grads[fp.index])  # `.grad`: this rank's part of the average
-            self.flat_grads[fp.index] = None
-            self.reduce_buffers.pop(fp.index, None)
+        def on_done() -> None:  # the owners have this bucket's content now
+            self.reductions.pop(fp.index)
+            self.release_flat_grad(fp)
 
-        self.in_flight.push(self.comm.reduce_scatter(out, send, async_op=True, phase="backward"), on_done)
+        self.in_flight.push(reduction, on_done)
+
+    def release_flat_grad(self, fp: FlatParamLayout) -> None:
+        """Drop the bucket's full-size gradient; `.grad` shows this rank's part of the average again."""
+        fp.show_grads(self.shown_grads[fp.index])
+        self.flat_grads[fp.index] = None
 
     # 4. step ---------------------------------------------------------------------------
     def step(self) -> bool:
         """Update this rank's shard of every buffer, then all-gather. False if fp16 skipped it."""
         self.finish_backward()
         self.check_user_grads_before_step()
-        stepped = self.optimizer.step()
+        stepped = self.optimizer.step([self.grad_shards[fp.index] for fp in self.trainable], self.take_clip_coef())
         if stepped:  # a skipped step changed no shard: the full buffers are still current
             self.all_gather_params()
         return stepped
@@ -221,24 +211,21 @@ class Zero2Engine(Engine):
         # under mixed precision would read twice as many bytes for the same result. The
         # clones live until every gather completes: Ψ·p/N transient bytes.
         inputs = self.gather_inputs  # listed by comm_buffer_tensors() while they are alive
-        for fp in self.flat_params:
-            if fp.requires_grad:
-                flat = self.flat_data[fp.index]  # (padded_numel,)
-                param_shard = fp.shard_of(flat).clone()  # (shard_numel,)
-                inputs.append(param_shard)
-                self.in_flight.push(self.comm.all_gather(flat, param_shard, async_op=True, phase="step"))
+        for fp in self.trainable:
+            flat = self.flat_data[fp.index]  # (padded_numel,)
+            param_shard = fp.shard_of(flat).clone()  # (shard_numel,)
+            inputs.append(param_shard)
+            self.in_flight.push(self.comm.all_gather(flat, param_shard, async_op=True, phase="step"))
         self.in_flight.wait_all()
         inputs.clear()
 
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
-        for fp in self.flat_params:
-            if fp.requires_grad:
-                if self.flat_grads[fp.index] is not None:  # kept by no_sync ("local") and never sent
-                    self.flat_grads[fp.index] = None
-                fp.show_grads(self.shown_grads[fp.index])
-                self.grad_shards[fp.index].zero_()
-                self.grad_shard_written[fp.index] = False
+        self.clip_coef = None
+        for fp in self.trainable:
+            self.release_flat_grad(fp)  # a bucket kept by no_sync ("local") and never sent goes too
+            self.grad_shards[fp.index].zero_()
+            self.grad_shard_written[fp.index] = False
 
     # 6. state_dict ----------------------------------------------------------------------
     def state_dict(self, full: bool = True) -> dict[str, torch.Tensor]:
@@ -249,15 +236,14 @@ class Zero2Engine(Engine):
         """
         sd = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         if self.policy.needs_master:
-            trainable = [fp for fp in self.flat_params if fp.requires_grad]
-            for fp, master_shard in zip(trainable, self.optimizer.master_shards):
+            for fp, master_shard in zip(self.trainable, self.optimizer.master_shards):
                 master = fp.new_flat(torch.float32)  # (padded_numel,) fp32, transient
                 self.comm.all_gather(master, master_shard, phase="state_dict")
                 fp.write_into_state_dict(sd, master)
         return sd
 
     def norm_shards(self) -> list[torch.Tensor]:
-        return [self.grad_shards[fp.index] for fp in self.flat_params if fp.requires_grad]
+        return [self.grad_shards[fp.index] for fp in self.trainable]
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {
@@ -273,7 +259,7 @@ class Zero2Engine(Engine):
         (core/comm.py's ordered reduction allocates its receive buffers inside each call and
         drops them when the call completes; they are not listed.)
         """
-        return [t for alive in self.reduce_buffers.values() for t in alive] + self.gather_inputs
+        return [t for reduction in self.reductions.values() for t in reduction.transient] + self.gather_inputs
 
     # 7. checkpoint hook ------------------------------------------------------------------
     def load_flat_params(self, flats: list[torch.Tensor]) -> None:

@@ -18,8 +18,8 @@ frozen base weights.
 `plan()` is the pure decision function (bytes in, a `Plan` out, with one reasoning line per
 check); the command wraps it with the model shape: `--model NAME` takes it from models.py, or a
 GPT-3-like shape is guessed from Ψ (`guess_shape`, stated in the output). Each check compares
-model states (`core.memory.estimate`) + the stage-3 working set + activations
-(`core.memory.activation_bytes_estimate`) with the GPU's memory. Not counted: the CUDA context,
+model states (`core.estimate.estimate`) + the stage-3 working set + activations
+(`core.estimate.activation_bytes_estimate`) with the GPU's memory. Not counted: the CUDA context,
 communication buckets, allocator fragmentation; leave headroom for them.
 """
 from __future__ import annotations
@@ -31,14 +31,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from zerokit.core.memory import (
+from zerokit.cli import model_preset, parse_bytes, parse_count, positive_int
+from zerokit.core.estimate import (
     activation_bytes_estimate,
     bytes_per_param,
     estimate,
     per_rank_formula,
     zero3_working_set_bytes,
 )
-from zerokit.memory_cmd import parse_bytes, parse_count
 
 LORA_TARGETS: tuple[str, ...] = ("q", "v")
 LORA_RANK = 8
@@ -53,7 +53,7 @@ ActivationFn = Callable[[int, bool], int]
 
 @dataclass(frozen=True)
 class GPTShape:
-    """A GPTConfig-like shape (the attributes core.memory reads), for a model known only by Ψ."""
+    """A GPTConfig-like shape (the attributes core.estimate reads), for a model known only by Ψ."""
 
     vocab_size: int
     block_size: int
@@ -145,7 +145,7 @@ def plan(num_params: int | float, num_gpus: int, gpu_memory_bytes: int, bf16: bo
     activation_bytes(batch_size, checkpointing) -> bytes per GPU; None counts activations as 0
     (and then no batch limit can be given). lora_trainable_params: adapter parameters LoRA adds;
     None guesses them from a GPT-3-like shape (`guess_shape`). working_set_bytes: the stage-3
-    unsharded units alive at once, weights and gradients (`core.memory.zero3_working_set_bytes`),
+    unsharded units alive at once, weights and gradients (`core.estimate.zero3_working_set_bytes`),
     added at stage 3 only, and halved under LoRA, whose frozen weights have no gradient.
     """
     psi = int(num_params)
@@ -285,8 +285,6 @@ def plan(num_params: int | float, num_gpus: int, gpu_memory_bytes: int, bf16: bo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from zerokit.cli import positive_int
-
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=parse_count, metavar="P", help="parameter count Ψ, e.g. 7.5e9 or 7.5B")
     what.add_argument("--model", metavar="NAME",
@@ -306,13 +304,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     precision = "fp16" if args.no_bf16 else "bf16"
     if args.model is not None:
-        from zerokit import models  # lazy: torch is only needed when a preset is asked for
-
-        try:
-            cfg = models.preset(args.model)
-        except ValueError as err:
-            raise SystemExit(f"zerokit plan: --model: {err}") from None
-        num_params = models.num_params(cfg)
+        cfg, num_params = model_preset("plan", args.model)
         seq_len = args.seq_len or cfg.block_size
         if seq_len > cfg.block_size:
             raise SystemExit(f"zerokit plan: --seq-len {seq_len} exceeds {args.model}'s block_size {cfg.block_size}")

@@ -11,7 +11,7 @@ weights on the same batches, with the same loop body. It reports per run:
   `--clip` is on: zerokit sums the squared norm over shards, torch per tensor, so the clip
   coefficients differ in the last bit and the runs drift apart by ~1e-5 over 30 steps);
 * memory: this rank's bytes by category after the last step, measured (`engine.memory()`,
-  core/memory.py `ledger`) beside the formula (`zk.estimate`), plus activations measured
+  core/ledger.py `ledger`) beside the formula (`zk.estimate`), plus activations measured
   around the first forward+backward (saved-tensor hooks on CPU);
 * communication: logical bytes per step (ZeRO accounting: all-reduce 2B, reduce-scatter and
   all-gather B each) measured from the engine's counters beside the formula: 2Ψg for stages
@@ -23,9 +23,10 @@ command and date) and `compare.png`, drawn from that JSON by `plot()`: per run, 
 stacked bar (params / grads / master / optimizer states, hatched) beside the measured one, the
 shape of the ZeRO paper's figure 1, and logical bytes per step beside their formula.
 
-The loop body is `train_loop`'s (zerokit/train.py: zero_grad, forward, backward, clip, step)
-without its progress bar, checkpointing and LoRA switches, plus per-step timing and a
-communication delta; it lives here because it must also drive torch's DDP.
+zerokit's step is `zerokit train`'s: `train_step` (commands/step.py: zero_grad, forward,
+backward, clip, step), without train's progress bar, checkpointing and LoRA switches; torch's
+DDP makes the same calls in torch's own API. `_timed_steps`, one loop for both, adds per-step
+timing and a communication delta.
 """
 from __future__ import annotations
 
@@ -111,9 +112,12 @@ def _no_decay(name: str, param: torch.nn.Parameter) -> dict:
     return {"weight_decay": 0.0} if param.dim() < 2 else {}
 
 
-def _timed_steps(cfg: dict, rank: int, world_size: int, forward_backward, step, comm_total, model) -> dict:
-    """The shared loop: zero_grad'ed inside `step`; returns losses, step times, comm bytes of the last step."""
-    from zerokit.core.memory import ActivationMeter
+def _timed_steps(cfg: dict, rank: int, world_size: int, train_one, comm_total, model) -> dict:
+    """The shared loop: `train_one(x, y)` is one whole optimizer step and returns its loss.
+
+    Returns losses, step times, the comm bytes of the last step and the activations of the first.
+    """
+    from zerokit.core.ledger import ActivationMeter
     from zerokit.models import CharCorpus
 
     corpus = CharCorpus.load()
@@ -126,11 +130,10 @@ def _timed_steps(cfg: dict, rank: int, world_size: int, forward_backward, step, 
         start = time.perf_counter()
         if i == 0:  # measure activations on a warm-up step (the hooks cost time)
             with ActivationMeter(exclude=model, use_cuda_allocator=False) as meter:
-                loss = forward_backward(x, y)
+                loss = train_one(x, y)  # autograd saves tensors in forward only, not in clip or step
             activation_bytes = meter.peak_bytes
         else:
-            loss = forward_backward(x, y)
-        step()
+            loss = train_one(x, y)
         loss_value = float(loss.detach())  # a sync point; inside the timed region on purpose
         times.append(1e3 * (time.perf_counter() - start))
         comm_last = comm_total() - before
@@ -142,26 +145,20 @@ def _timed_steps(cfg: dict, rank: int, world_size: int, forward_backward, step, 
 
 def _run_zerokit(rank: int, world_size: int, cfg: dict, stage: int) -> dict:
     import zerokit as zk
-    from zerokit.core.memory import activation_bytes_estimate, comm_bytes_per_step, ledger
+    from zerokit.commands.step import train_step
+    from zerokit.core.estimate import activation_bytes_estimate, comm_bytes_per_step
+    from zerokit.core.ledger import ledger
     from zerokit.models import Block, build_model
 
     model = build_model(cfg["model"], seed=cfg["seed"])
     engine = zk.shard(model, torch.optim.AdamW, stage=stage, precision=cfg["precision"], lr=cfg["lr"],
                       weight_decay=0.1, bucket_numel=cfg["bucket_numel"], wrap=(Block,), param_groups=_no_decay)
 
-    def forward_backward(x, y):
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        return loss
+    def train_one(x, y):
+        return train_step(engine, [(x, y)], lambda batch: engine(*batch)[1],
+                          clip=cfg["clip"] if cfg["clip"] > 0 else None).loss
 
-    def step():
-        if cfg["clip"] > 0:
-            engine.clip_grad_norm_(cfg["clip"])
-        engine.step()
-        engine.zero_grad()
-
-    out = _timed_steps(cfg, rank, world_size, forward_backward, step,
-                       lambda: sum(engine.comm_stats().values()), model)
+    out = _timed_steps(cfg, rank, world_size, train_one, lambda: sum(engine.comm_stats().values()), model)
     psi = out["num_params"] = sum(p.numel() for p in model.parameters())
     out["ledger"] = ledger(engine, activation_bytes=out["activation_bytes"],
                            predicted_activations=activation_bytes_estimate(model.cfg, cfg["batch_size"],
@@ -178,7 +175,7 @@ def _run_torch_ddp(rank: int, world_size: int, cfg: dict) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from zerokit.core.memory import activation_bytes_estimate, comm_bytes_per_step, estimate
+    from zerokit.core.estimate import activation_bytes_estimate, comm_bytes_per_step, estimate
     from zerokit.models import build_model
 
     model = build_model(cfg["model"], seed=cfg["seed"])
@@ -198,18 +195,16 @@ def _run_torch_ddp(rank: int, world_size: int, cfg: dict) -> dict:
     groups = [{"params": decay}, {"params": [p for p in params if _no_decay("", p)], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=cfg["lr"], weight_decay=0.1)
 
-    def forward_backward(x, y):
+    def train_one(x, y):
         _, loss = ddp(x, y)
         loss.backward()
-        return loss
-
-    def step():
         if cfg["clip"] > 0:
             torch.nn.utils.clip_grad_norm_(params, cfg["clip"])
         opt.step()
         opt.zero_grad(set_to_none=False)  # keep .grad allocated, as zerokit's flat buffers are
+        return loss
 
-    out = _timed_steps(cfg, rank, world_size, forward_backward, step, lambda: sent[0], model)
+    out = _timed_steps(cfg, rank, world_size, train_one, lambda: sent[0], model)
     psi = out["num_params"] = sum(p.numel() for p in model.parameters())
     measured = {
         "params": _unique_bytes(model.parameters()),
@@ -297,7 +292,7 @@ def environment(cfg: dict | None = None) -> dict:
 
 def _git_commit() -> str:
     """HEAD of the checkout zerokit runs from, with "-dirty" if the tree differs; "unknown" outside git."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from zerokit.core.memory import OPTIMIZER_STATE_BYTES, PRECISIONS, bytes_per_param, estimate
+from zerokit.core.estimate import OPTIMIZER_STATE_BYTES, PRECISIONS, bytes_per_param, estimate
 
 
 def _no_decay(name: str, param: torch.nn.Parameter) -> dict:

@@ -1,7 +1,7 @@
 """`zerokit train`: train the built-in GPT on the built-in corpus at any ZeRO stage.
 
-The same loop body runs for every stage; only `stage=` changes. Not under torchrun it
-spawns `--nproc` gloo ranks on this machine itself; under
+The same loop body (commands/step.py `train_step`) runs for every stage; only `stage=`
+changes. Not under torchrun it spawns `--nproc` gloo ranks on this machine itself; under
 `torchrun --standalone --nproc-per-node 2 -m zerokit train` it joins torchrun's group.
 `--save DIR` writes a sharded checkpoint after the last step (with the step count in its
 meta.json); `--resume DIR` loads one, at any stage, world size or precision, and continues
@@ -54,6 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
     """One rank's training; returns its summary (losses, memory, throughput)."""
     import zerokit as zk
+    from zerokit.commands.step import train_step
     from zerokit.models import Block, CharCorpus, build_model
 
     corpus = CharCorpus.load()
@@ -89,21 +90,13 @@ def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
     tokens_per_step = cfg["batch_size"] * block * cfg["accumulate"] * world_size
     start = time.perf_counter()
     for step in range(first_step, cfg["steps"]):
-        engine.zero_grad()
-        for micro in range(cfg["accumulate"]):
-            x, y = corpus.batch(cfg["batch_size"], block, step * cfg["accumulate"] + micro, rank, world_size)
-            if micro < cfg["accumulate"] - 1:
-                with engine.no_sync():  # accumulate locally; communicate on the last micro-step
-                    _, loss = engine(x, y)
-                    engine.backward(loss / cfg["accumulate"])
-            else:
-                _, loss = engine(x, y)
-                engine.backward(loss / cfg["accumulate"])
-        if cfg["clip"] > 0:
-            engine.clip_grad_norm_(cfg["clip"])
-        if not engine.step():
+        micro_batches = [corpus.batch(cfg["batch_size"], block, step * cfg["accumulate"] + micro, rank, world_size)
+                         for micro in range(cfg["accumulate"])]
+        result = train_step(engine, micro_batches, lambda batch: engine(*batch)[1],
+                            clip=cfg["clip"] if cfg["clip"] > 0 else None)
+        if not result.stepped:
             skipped += 1
-        losses.append(float(loss.detach()))  # a sync point, once per step: fine for a demo
+        losses.append(float(result.loss))  # a sync point, once per step: fine for a demo
         if bar is not None:
             elapsed = time.perf_counter() - start
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step * len(losses) / elapsed:,.0f}")

@@ -4,7 +4,7 @@
 
 prints, for Ψ = 7.5e9 parameters on N = 64 ranks with bf16 + Adam, 120 / 31.4 / 16.6 / 1.9 GB
 per rank for stages 0-3, split into params, grads, fp32 master params and optimizer states,
-beside the formula each row evaluates. The numbers come from `zerokit.core.memory.estimate`
+beside the formula each row evaluates. The numbers come from `zerokit.core.estimate.estimate`
 (exact integers, padded shards); GB means 10^9 bytes, as in the ZeRO paper and the lecture.
 `--model NAME` takes Ψ from a models.py preset, and then also shows the stage-3 working set and
 the activations of one sequence, which the stage rows leave out. `--json PATH` writes the bytes.
@@ -14,7 +14,7 @@ the activations of one sequence, which the stage rows leave out. `--json PATH` w
 measures instead of computing: this one process builds the real model and plays rank 0 of N
 (`Comm(simulate=Simulated(0, N))`: collectives return correctly shaped results computed
 locally, see core/comm.py), runs one forward, backward and optimizer step on a tiny batch
-(1 sequence of 8 tokens), and prints the ledger of what it really allocated (core/memory.py
+(1 sequence of 8 tokens), and prints the ledger of what it really allocated (core/ledger.py
 `ledger`) next to the formula, category by category. The values trained are meaningless (every
 "gathered" shard is a copy of this rank's own); the allocations are exactly a real rank's.
 """
@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from zerokit.models import GPTConfig
 
-from zerokit.core.memory import (
+from zerokit.cli import UNITS, model_preset, parse_count, positive_int
+from zerokit.core.estimate import (
     OPTIMIZER_STATE_BYTES,
     PRECISIONS,
     STAGE_NAMES,
@@ -41,44 +40,8 @@ from zerokit.core.memory import (
     zero3_working_set_bytes,
 )
 
-# Decimal units first: they are what `auto` chooses from, matching the lecture's GB.
-UNITS: dict[str, int] = {
-    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
-}
-_COUNT_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
-_NUMBER = r"([0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)"
-
 CATEGORY_HEADERS = (("params", "params"), ("grads", "grads"), ("master_params", "master"),
                     ("optimizer_states", "opt states"))
-
-
-def parse_count(text: str) -> int:
-    """A parameter count: "7.5e9", "7_500_000_000", "7.5B", "350M", "125k" -> int (must be whole)."""
-    match = re.fullmatch(_NUMBER + r"\s*([kKmMbBgGtT]?)", text.strip())
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (try 7.5e9 or 7.5B)")
-    try:
-        value = Decimal(match.group(1).replace("_", "")) * _COUNT_SUFFIXES[match.group(2).upper()]
-    except InvalidOperation:
-        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r}") from None
-    if value != value.to_integral_value():
-        raise argparse.ArgumentTypeError(f"parameter count {text!r} is not a whole number")
-    return int(value)
-
-
-def parse_bytes(text: str) -> int:
-    """A memory size: "80" (GB, 10^9 bytes), "80GB", "80GiB", "512MiB" -> bytes."""
-    match = re.fullmatch(_NUMBER + r"\s*([KMGT]i?B|B)?", text.strip(), flags=re.IGNORECASE)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (try 80, 80GB or 80GiB)")
-    unit = match.group(2) or "GB"
-    # Case-insensitive lookup, but keep the 'i' meaning binary: "gib" -> "GiB".
-    canonical = {u.lower(): u for u in UNITS}[unit.lower()]
-    value = Decimal(match.group(1).replace("_", "")) * UNITS[canonical]
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"memory size must be positive, got {text!r}")
-    return int(value)
 
 
 def choose_unit(values: list[int]) -> str:
@@ -124,8 +87,6 @@ def render_table(rows: list[dict[str, Any]], unit: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from zerokit.cli import positive_int
-
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=parse_count, metavar="P",
                       help="parameter count Ψ, e.g. 7.5e9 or 7.5B")
@@ -155,7 +116,7 @@ def simulate_rank(model: "str | GPTConfig", world_size: int, stage: int, precisi
                   lora: bool = False) -> dict[str, Any]:
     """Build `model` (a preset name or a GPTConfig), wrap it as `rank` of a simulated world of `world_size`, train one step, measure.
 
-    Returns `core.memory.ledger(...)` (measured and predicted bytes per category, relative errors,
+    Returns `core.ledger.ledger(...)` (measured and predicted bytes per category, relative errors,
     configuration) plus "seconds" (wall time of the whole measurement) and "device". Activations
     are measured around the forward and backward (saved tensors on CPU, the allocator on CUDA)
     and predicted with `activation_bytes_estimate`.
@@ -163,7 +124,7 @@ def simulate_rank(model: "str | GPTConfig", world_size: int, stage: int, precisi
     import torch
 
     import zerokit as zk
-    from zerokit.core.memory import ActivationMeter, ledger
+    from zerokit.core.ledger import ActivationMeter, ledger
     from zerokit.models import Block, build_model, preset
 
     cfg = preset(model) if isinstance(model, str) else model
@@ -258,13 +219,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("zerokit memory: --stage is only used with --simulate (the table shows every stage)")
     cfg = None
     if args.model is not None:
-        from zerokit import models  # lazy: torch is only needed when a preset is asked for
-
-        try:
-            cfg = models.preset(args.model)
-        except ValueError as err:
-            raise SystemExit(f"zerokit memory: --model: {err}") from None
-        num_params = models.num_params(cfg)
+        cfg, num_params = model_preset("memory", args.model)
     else:
         num_params = args.params
 

@@ -1,0 +1,98 @@
+"""The options of `zk.shard`, checked once, in one frozen place.
+
+`ShardConfig` holds every option that shapes how a stage lays out and moves its tensors;
+the precision policy (core/precision.py), the loss scaler and the process group (core/comm.py)
+travel beside it. `zk.shard` builds it, so a bad value is refused on every rank before
+anything is wrapped, and every stage constructor receives the same object: a stage reads
+the options it uses (the docstring says which stage uses which) and never sees a keyword it
+does not know. An option the optimizer does not take either is refused by `zk.shard`
+(`check_optimizer_kwargs`), naming the closest option of each.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import torch
+from torch import nn
+
+DEFAULT_BUCKET_NUMEL = 1 << 22  # 4 Mi elements: 16 MiB of fp32 gradient per bucket
+ACCUMULATE_POLICIES = ("reduce_scatter", "local")
+
+WrapPolicy = tuple | type | Callable[[nn.Module], bool] | None
+ParamGroupFn = Callable[[str, nn.Parameter], dict]
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """How a stage lays out and moves its tensors (see `zk.shard` for each option's meaning)."""
+
+    stage: int
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL  # stages 0-2: elements per gradient bucket
+    param_groups: ParamGroupFn | None = None  # every stage: per-parameter optimizer overrides
+    cast_inputs: bool = True  # every stage: cast floating inputs to the param dtype (bf16/fp16)
+    accumulate: str = "reduce_scatter"  # stage 2: how no_sync() micro-steps accumulate
+    max_in_flight: int = 2  # stage 2: reduce-scatters left running before a gradient hook waits
+    wrap: WrapPolicy = None  # stage 3: which modules are units
+    prefetch: int = 1  # stage 3: units gathered ahead of the one computing
+    reshard_after_forward: bool = True  # stage 3: free a unit's params between its forward and backward
+
+    def __post_init__(self) -> None:
+        _check_int("stage", self.stage, 0, 3)
+        _check_int("bucket_numel", self.bucket_numel, 1)
+        _check_int("max_in_flight", self.max_in_flight, 0)
+        _check_int("prefetch", self.prefetch, 0)
+        if self.accumulate not in ACCUMULATE_POLICIES:
+            raise ValueError(f"accumulate must be one of {ACCUMULATE_POLICIES}, got {self.accumulate!r}")
+        if self.param_groups is not None and not callable(self.param_groups):
+            raise TypeError(f"param_groups must be a callable(name, param) -> dict, got {self.param_groups!r}")
+        wrap_matcher(self.wrap)  # raises on a policy that is neither classes nor a callable
+        object.__setattr__(self, "cast_inputs", bool(self.cast_inputs))
+        object.__setattr__(self, "reshard_after_forward", bool(self.reshard_after_forward))
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def _check_int(name: str, value, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+
+
+def wrap_matcher(wrap: WrapPolicy) -> Callable[[nn.Module], bool]:
+    """The stage-3 wrap policy as a predicate: module classes (one or a tuple), or a callable(module) -> bool."""
+    if wrap is None:
+        return lambda m: False
+    if isinstance(wrap, type):
+        wrap = (wrap,)
+    if isinstance(wrap, tuple) and all(isinstance(c, type) and issubclass(c, nn.Module) for c in wrap):
+        return lambda m: isinstance(m, wrap)
+    if callable(wrap) and not isinstance(wrap, tuple):
+        return lambda m: bool(wrap(m))
+    raise TypeError(f"wrap must be a tuple of nn.Module classes or a callable(module) -> bool, got {wrap!r}")
+
+
+def check_optimizer_kwargs(optimizer_cls: type[torch.optim.Optimizer], kwargs: dict,
+                           zerokit_options: list[str]) -> None:
+    """Refuse a keyword that is neither a zerokit option nor an argument of `optimizer_cls`.
+
+    Only checked when the optimizer's constructor names its arguments (no **kwargs).
+    """
+    try:
+        parameters = inspect.signature(optimizer_cls.__init__).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    accepted = [name for name in parameters if name not in ("self", "params")]
+    for key in kwargs:
+        if key in accepted:
+            continue
+        hint = difflib.get_close_matches(key, zerokit_options + accepted, n=1)
+        raise TypeError(f"zk.shard got an unknown option {key!r}: not a zerokit option nor an argument of "
+                        f"{optimizer_cls.__name__}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                        + f". zerokit options: {', '.join(zerokit_options)}")

@@ -1,0 +1,264 @@
+"""Stage 3's unit: a group of modules whose parameters are gathered and freed together.
+
+A `Unit` owns its lifecycle, as FSDP2's parameter group does: `unshard` (all-gather the
+param shards into whole flat buffers), `reshard` (free them again), and the four moments
+that drive them — `pre_forward`, `post_forward`, `pre_backward`, `post_backward`. The stage
+(stages/zero3.py) decides *when* to prefetch (core/prefetch.py) and reduces the gradients;
+the unit knows what it holds and when its own backward is over.
+
+Its state (`UnitState`) says which of its tensors are alive.
+
+[Note: storage, not .data]
+Autograd saves the tensors an op needs for backward, often views of a parameter (`linear`
+saves `weight.t()`). Those views keep the storage they were made from. Were the unit freed
+by pointing `param.data` at a new empty tensor, each saved view would keep the old full
+buffer alive (nothing freed) and a re-gathered buffer would not be the one backward reads.
+So each parameter is a view into one `flat_data` tensor for the engine's whole life, and
+gathering / freeing resizes that tensor's *storage* in place: every view, saved ones
+included, sees the re-gathered values, and freeing really returns the bytes.
+
+[Note: gather again in backward]
+With reshard_after_forward=True a unit's parameters are gone after its forward, but its
+backward needs them (the gradient w.r.t. the input of `x @ W` is `grad @ W`). A tensor hook
+on the unit's outputs fires when their gradient is complete, just before the unit's own
+backward ops run: `pre_backward` gathers there. The unit's backward is over when (a) every
+trainable flat param's gradient has been reduced and (b) the gradient w.r.t. its inputs has
+been computed — (b) is observed by an identity autograd function applied to the inputs in
+`pre_forward`, whose backward runs after the unit's whole backward. (a) alone is not enough:
+a frozen weight used before the first trainable one is still needed for the input gradient
+after every parameter gradient is final. Then `post_backward` frees the unit (the root stays
+whole until the end of backward: its first ops, the embedding, may still be ahead).
+
+[Note: activation checkpointing]
+Non-reentrant `torch.utils.checkpoint` re-runs a unit's forward *inside* backward when its
+saved tensors are first unpacked, which is after `pre_backward` gathered the unit. That re-run
+fires the unit's forward hooks again; inside backward they only make sure the unit is whole:
+they neither record order, nor watch inputs, nor reshard. The unit stays whole until its
+backward is done.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Callable
+
+import torch
+from torch import nn
+
+from zerokit.core.config import WrapPolicy, wrap_matcher
+from zerokit.core.flat_param import FlatParamLayout, ParamInfo
+from zerokit.core.nest import map_tensors, tensors_in
+
+
+class UnitState(enum.Enum):
+    """Which tensors of a unit are alive (besides the persistent param shards, alive in every state).
+
+    SHARDED    flat_data storage is 0 bytes; the parameters are views of nothing usable.
+    GATHERING  flat_data storage allocated, an all-gather into it in flight (a prefetch).
+    UNSHARDED  parameters usable; during backward also the unit's flat gradients, until each
+               one's reduce-scatter completes (the stage holds those).
+    """
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    UNSHARDED = "unsharded"
+
+
+class Unit:
+    """One unit's flat params, their storage, and where they are in their lifecycle."""
+
+    def __init__(self, index: int, name: str, module: nn.Module, flat_params: list[FlatParamLayout],
+                 param_shards: list[torch.Tensor], flat_data: list[torch.Tensor], comm, gather_stream=None):
+        self.index = index
+        self.name = name  # qualified module name; "" for the root unit
+        self.module = module
+        self.is_root = index == 0
+        self.flat_params = flat_params
+        self.param_shards = param_shards  # (shard_numel,) each, persistent
+        self.flat_data = flat_data  # (padded_numel,) each; storage 0 bytes while sharded
+        self.comm = comm
+        self.gather_stream = gather_stream  # CUDA: gathers run on this side stream
+        self.state = UnitState.SHARDED
+        self._handles: list = []  # in-flight all-gathers (GATHERING, no side stream)
+        self._event = None  # CUDA: recorded on the gather stream after the gathers
+        self.num_trainable = sum(1 for fp in flat_params if fp.requires_grad)
+        self.reset_backward()
+
+    # -- unshard / reshard ----------------------------------------------------------------
+    def start_unshard(self, phase: str) -> None:
+        """Allocate the flat buffers and launch their all-gathers (async): SHARDED -> GATHERING."""
+        assert self.state is UnitState.SHARDED, (self.name, self.state)
+        for flat in self.flat_data:
+            _alloc_storage(flat)  # on the compute stream; see below
+        if self.gather_stream is None:
+            self._handles = [self.comm.all_gather(flat, shard, async_op=True, phase=phase)
+                             for flat, shard in zip(self.flat_data, self.param_shards)]
+        else:
+            # The side stream first waits for the compute stream (the optimizer may just have
+            # written the shards), gathers, and records an event the compute stream waits on
+            # before using the params. The storage was allocated on the compute stream and
+            # every free happens after that wait, so no record_stream is needed.
+            self.gather_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.gather_stream):
+                for flat, shard in zip(self.flat_data, self.param_shards):
+                    # wait() on NCCL only makes the (side) stream wait; the CPU goes on.
+                    self.comm.all_gather(flat, shard, async_op=True, phase=phase).wait()
+                self._event = torch.cuda.Event()
+                self._event.record(self.gather_stream)
+        self.state = UnitState.GATHERING
+
+    def wait_unshard(self) -> None:
+        """GATHERING -> UNSHARDED: the CPU waits for the gathers (gloo), or the GPU does (a CUDA event)."""
+        if self.state is not UnitState.GATHERING:
+            return
+        if self.gather_stream is None:
+            for handle in self._handles:
+                handle.wait()
+        else:
+            torch.cuda.current_stream().wait_event(self._event)
+        self._handles, self._event = [], None
+        self.state = UnitState.UNSHARDED
+
+    def unshard(self, phase: str) -> None:
+        """Make the parameters usable now, gathering them unless a prefetch already started."""
+        if self.state is UnitState.SHARDED:
+            self.start_unshard(phase)
+        self.wait_unshard()
+
+    def reshard(self) -> None:
+        """Free the flat buffers (storage back to 0 bytes): -> SHARDED."""
+        if self.state is UnitState.SHARDED:
+            return
+        self.wait_unshard()  # never free memory a gather is still writing
+        for flat in self.flat_data:
+            free_storage(flat)
+        self.state = UnitState.SHARDED
+
+    # -- forward ----------------------------------------------------------------------------
+    def pre_forward(self, args: tuple, kwargs: dict):
+        """Unshard; under grad mode, watch the inputs' gradients (see [Note: gather again in backward]).
+
+        Returns (args, kwargs) with the watched tensors replaced, or None when nothing changed.
+        """
+        self.unshard("forward")
+        if not torch.is_grad_enabled():
+            return None
+        inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+        if not inputs:
+            return None
+        self.pending_inputs += 1
+        watched = _InputsGradDone.apply(self._inputs_grad_done, *inputs)
+        replace = {id(t): w for t, w in zip(inputs, watched)}
+        return map_tensors((args, kwargs), lambda t: replace.get(id(t), t))
+
+    def post_forward(self, output, pre_backward: Callable[[], None], reshard: bool) -> None:
+        """Arrange for `pre_backward` to run before this call's backward; free the params if `reshard`."""
+        if torch.is_grad_enabled():
+            for t in tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(lambda grad: pre_backward())
+        if reshard:
+            self.reshard()
+
+    # -- backward ---------------------------------------------------------------------------
+    def pre_backward(self) -> bool:
+        """The unit's backward is about to run: unshard. True the first time in this backward."""
+        first = not self.backward_started
+        self.backward_started = True
+        if first or self.state is not UnitState.UNSHARDED:
+            self.unshard("backward")
+        return first
+
+    def grad_reduced(self) -> None:
+        """One of the unit's trainable flat params has had its gradient reduced (or kept, under no_sync)."""
+        self.pending_grads -= 1
+        self.post_backward()
+
+    def _inputs_grad_done(self) -> None:
+        self.pending_inputs -= 1
+        self.post_backward()
+
+    @property
+    def backward_done(self) -> bool:
+        return self.backward_started and self.pending_grads == 0 and self.pending_inputs == 0
+
+    def post_backward(self) -> None:
+        """Free the params once the unit's backward is over; the root waits for the end of backward."""
+        if not self.is_root and self.pending_grads == 0 and self.pending_inputs == 0:
+            self.reshard()
+
+    def reset_backward(self) -> None:
+        self.pending_grads = self.num_trainable  # trainable flat params whose gradient is not reduced yet
+        self.pending_inputs = 0  # watched forward calls whose input gradient is not computed yet
+        self.backward_started = False
+
+
+class _InputsGradDone(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the unit's whole backward has run."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+# ---------------------------------------------------------------------- which params go where
+def split_into_units(module: nn.Module, wrap: WrapPolicy,
+                     infos: list[ParamInfo]) -> list[tuple[str, nn.Module, list[ParamInfo]]]:
+    """(name, module, params) per unit: the root first ("", the whole model, every param no unit
+    claims), then the matching submodules in registration order, the outermost match winning.
+
+    ValueError for a parameter tied across two units (it could not be gathered and freed with both).
+    """
+    matches = wrap_matcher(wrap)
+    found: list[tuple[str, nn.Module]] = []
+    claimed: set[int] = set()
+
+    def visit(prefix: str, m: nn.Module) -> None:
+        for child_name, child in m.named_children():
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            if id(child) in claimed:
+                continue
+            if matches(child):
+                claimed.add(id(child))
+                found.append((name, child))
+            else:
+                visit(name, child)
+
+    visit("", module)
+    prefixes = [(k, name + ".") for k, (name, _) in enumerate(found, start=1)]
+
+    def unit_of(param_name: str) -> int:
+        return next((k for k, prefix in prefixes if param_name.startswith(prefix)), 0)
+
+    def where(k: int) -> str:
+        return "the root unit" if k == 0 else f"unit {found[k - 1][0]!r}"
+
+    members: list[list[ParamInfo]] = [[] for _ in range(len(found) + 1)]
+    for info in infos:
+        owners = [unit_of(n) for n in info.names]
+        for name, owner in zip(info.names[1:], owners[1:]):
+            if owner != owners[0]:
+                raise ValueError(
+                    f"zerokit stage 3: parameter {info.names[0]!r} ({where(owners[0])}) is tied to {name!r} "
+                    f"({where(owner)}); a parameter shared by two units cannot be gathered and freed with "
+                    f"both. Wrap a module that contains both, or untie them")
+        members[owners[0]].append(info)
+    return [(name, m, params) for (name, m), params in zip([("", module)] + found, members)]
+
+
+def _alloc_storage(t: torch.Tensor) -> None:
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().nbytes() != nbytes:
+        t.untyped_storage().resize_(nbytes)
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Give back a tensor's bytes, keeping the tensor (and every view of it) for a later re-allocation."""
+    if t.untyped_storage().nbytes() != 0:
+        t.untyped_storage().resize_(0)
+
