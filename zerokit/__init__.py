@@ -25,6 +25,8 @@ Public API (stable names; the full contract is docs/design.md):
   loss = ...; engine.backward(loss); engine.clip_grad_norm_(1.0); engine.step(); engine.zero_grad()
   engine.memory(), engine.comm_stats(), engine.state_dict(full=True), engine.loss_scale
   engine.save(dir), engine.load(dir)       sharded checkpoints; load may change world size and stage
+  zk.shard(..., debug=True)                ranks whose collectives diverge fail at once, naming what each
+                                           was doing (also ZEROKIT_DEBUG=1); core/comm.py [Note: debug mode]
   zk.estimate(num_params, world_size, stage, precision)   analytic bytes per rank
   zk.lora.inject(model, targets=("q", "v"), rank=8, alpha=1.0)
 """
@@ -91,7 +93,7 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
           wrap=None, prefetch: int = 1, reshard_after_forward: bool = True, group=None, param_groups=None,
           loss_scaler: dict | None = None, ordered_reduction: bool | None = None, comm: Comm | None = None,
           accumulate: str = "reduce_scatter", max_in_flight: int = 2, cast_inputs: bool = True,
-          **optimizer_kwargs):
+          debug: bool | None = None, **optimizer_kwargs):
     """Wrap `model` for ZeRO stage `stage` (0 = DDP) and build its sharded optimizer.
 
     Every stage takes the same keywords (a stage ignores those it has no use for, such
@@ -115,6 +117,12 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     nested in lists, tuples and dicts, are cast to the param dtype, as torch FSDP's mixed
     precision does; integer and bool tensors are untouched, and the output stays in the
     param dtype (see core/precision.py). False passes inputs as they are.
+    `debug=True` (or the environment's ZEROKIT_DEBUG=1, which `debug=None` reads): before each
+    collective every rank checks that every other rank is about to issue the same one, and if not
+    raises at once on every rank, naming what each rank was doing in ZeRO terms ("rank 0 is
+    reduce-scattering bucket 3 (blocks.2.*), rank 1 is all-gathering unit blocks.0") instead of
+    hanging until the process group's timeout. Costs one small all-gather per collective; training
+    is bitwise unchanged (core/comm.py [Note: debug mode]). With `comm=`, it sets `comm.debug`.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {sorted(STAGES)}, got {stage!r}")
@@ -131,7 +139,9 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
         raise ValueError(f"loss_scaler= is only used with precision='fp16', got precision={precision!r}")
     scaler = LossScaler(**(loss_scaler or {})) if policy.uses_loss_scaler else None
     if comm is None:
-        comm = Comm(group, ordered=ordered_reduction)
+        comm = Comm(group, ordered=ordered_reduction, debug=debug)
+    elif debug is not None:
+        comm.debug = bool(debug)
     module_name, class_name = STAGES[stage].split(":")
     engine_cls = getattr(importlib.import_module(module_name), class_name)
     return engine_cls(model, optimizer_cls, optimizer_kwargs, comm=comm, policy=policy, scaler=scaler, config=config)

@@ -221,7 +221,8 @@ def save(engine, directory: str | os.PathLike, extra: dict | None = None) -> Non
             records[MODEL_FILE] = _write_model_file(engine, snapshot_path, full)
     except Exception as exc:  # reported to every rank below, never left for a peer to hang on
         problems.append(f"{type(exc).__name__}: {exc}")
-    everyone = engine.comm.all_gather_object((problems, records))
+    everyone = engine.comm.all_gather_object((problems, records), label="checkpoint save: every rank's files written",
+                                             phase="checkpoint")
     errors = [f"rank {r}: {msg}" for r, (theirs, _) in enumerate(everyone) for msg in theirs]
     if errors:
         if engine.rank == 0:  # every rank has stopped writing: the half-written snapshot can go
@@ -253,7 +254,8 @@ def _agree_on_directory(engine, directory) -> str:
     except Exception as exc:  # not a path: still take part in the gather, then fail with everyone
         mine = exc
     snapshot = _new_snapshot_name() if engine.rank == 0 else None
-    everyone = engine.comm.all_gather_object((mine, snapshot))
+    everyone = engine.comm.all_gather_object((mine, snapshot), label="checkpoint save: the directory",
+                                             phase="checkpoint")
     bad = [f"rank {r}: {type(p).__name__}: {p}" for r, (p, _) in enumerate(everyone) if isinstance(p, Exception)]
     if bad:
         _raise(engine, f"cannot save checkpoint {directory!r}", bad)
@@ -278,7 +280,7 @@ def _raise(engine, what: str, errors: list[str]) -> None:
 
 
 def _raise_if_any(engine, problems: list[str], what: str) -> None:
-    everyone = engine.comm.all_gather_object(problems)
+    everyone = engine.comm.all_gather_object(problems, label="checkpoint: every rank's problems", phase="checkpoint")
     errors = [f"rank {r}: {msg}" for r, theirs in enumerate(everyone) for msg in theirs]
     if errors:
         _raise(engine, what, errors)
@@ -485,7 +487,8 @@ def load(engine, directory: str | os.PathLike) -> dict:
     except Exception as exc:  # every rank must hear about it before anyone moves on
         problems.append(f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc))
     what = f"cannot load checkpoint {directory}"
-    everyone = engine.comm.all_gather_object((problems, snapshot and (snapshot.path, snapshot.meta_sha256)))
+    everyone = engine.comm.all_gather_object((problems, snapshot and (snapshot.path, snapshot.meta_sha256)),
+                                             label="checkpoint load: what each rank read", phase="checkpoint")
     errors = [f"rank {r}: {msg}" for r, (theirs, _) in enumerate(everyone) for msg in theirs]
     if not errors and len({sha for _, (_, sha) in everyone}) > 1:
         errors = [f"rank {r} read {path} (meta.json sha256 {sha[:12]}...)" for r, (_, (path, sha)) in

@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("zerokit.commands.train", "train the built-in small GPT on the built-in corpus at any ZeRO stage"),
     "compare": ("zerokit.commands.compare", "every stage on the same data: loss, memory, communication, time"),
     "memory": ("zerokit.commands.memory", "per-rank memory by category for each stage (the lecture's table)"),
+    "timeline": ("zerokit.commands.timeline", "one training step's per-rank memory, by category, at every event"),
     "plan": ("zerokit.commands.plan", "the lecture's decision flow, answered with bytes"),
     "explain": ("zerokit.commands.explain", "where each parameter lands: rank, offset, padding, buckets, units"),
     "formats": ("zerokit.commands.formats", "fp32 / fp16 / bf16 bit layouts and limits; --underflow measures gradients"),

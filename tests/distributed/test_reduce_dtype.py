@@ -65,17 +65,17 @@ def _watch_collectives(engine, seen: list) -> list[bool]:
 
     all_reduce, reduce_scatter, all_gather = comm.all_reduce, comm.reduce_scatter, comm.all_gather
 
-    def wrapped_all_reduce(tensor, op="sum", async_op=False, phase=None):
+    def wrapped_all_reduce(tensor, op="sum", async_op=False, phase=None, label=None):
         check("all_reduce", phase, [tensor], tensor)
-        return all_reduce(tensor, op=op, async_op=async_op, phase=phase)
+        return all_reduce(tensor, op=op, async_op=async_op, phase=phase, label=label)
 
-    def wrapped_reduce_scatter(output, input, async_op=False, phase=None):
+    def wrapped_reduce_scatter(output, input, async_op=False, phase=None, label=None):
         check("reduce_scatter", phase, [output, input], input)
-        return reduce_scatter(output, input, async_op=async_op, phase=phase)
+        return reduce_scatter(output, input, async_op=async_op, phase=phase, label=label)
 
-    def wrapped_all_gather(output, input, async_op=False, phase=None):
+    def wrapped_all_gather(output, input, async_op=False, phase=None, label=None):
         check("all_gather", phase, [output, input], None)
-        return all_gather(output, input, async_op=async_op, phase=phase)
+        return all_gather(output, input, async_op=async_op, phase=phase, label=label)
 
     comm.all_reduce, comm.reduce_scatter, comm.all_gather = wrapped_all_reduce, wrapped_reduce_scatter, wrapped_all_gather
     return watching

@@ -62,14 +62,14 @@ def test_the_config_is_frozen_and_stage_constructors_take_no_stray_keywords():
 
 def test_reduction_in_the_param_dtype_works_in_place():
     grad = torch.arange(6, dtype=torch.float32)
-    r = GradReduction(Comm(), grad, torch.float32).all_reduce()
+    r = GradReduction(Comm(), grad, torch.float32, "bucket 0").all_reduce()
     r.wait()
     assert r.result is grad and not r.copied and r.transient == []
 
 
 def test_reduction_in_another_dtype_owns_its_copy_until_the_average_is_read():
     grad = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.bfloat16)
-    r = GradReduction(Comm(), grad, torch.float32).all_reduce()
+    r = GradReduction(Comm(), grad, torch.float32, "bucket 0").all_reduce()
     assert r.copied and r.result.dtype == torch.float32 and r.transient == [r.result]
     r.wait()
     assert r.transient == [r.result]  # stage 0 reads the average from the copy at step
@@ -79,7 +79,7 @@ def test_reduction_in_another_dtype_owns_its_copy_until_the_average_is_read():
 def test_reduce_scatter_accumulates_into_a_written_grad_shard_and_drops_its_temporaries():
     grad = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
     shard = torch.tensor([10.0, 20.0])
-    r = GradReduction(Comm(), grad, torch.float32).reduce_scatter(shard, accumulate=True)
+    r = GradReduction(Comm(), grad, torch.float32, "bucket 0").reduce_scatter(shard, accumulate=True)
     assert len(r.transient) == 2  # the fp32 copy and the reduce-scatter's own output
     r.wait()
     assert r.result is shard and r.transient == []

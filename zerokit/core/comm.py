@@ -9,7 +9,12 @@ Every stage talks to the other ranks through one `Comm` object. It owns:
 * profiler labels (`zerokit::all_gather`, ...), so a trace names each collective once;
 * an optional *simulated* world: one process plays rank r of N, and collectives return
   correctly shaped results computed locally, so memory can be measured for a rank of 64
-  on one machine.
+  on one machine;
+* the recorder (core/recorder.py): every collective is recorded, in ZeRO terms (its
+  `label`: "bucket 3 (blocks.2.*)", "unit blocks.0", ...), before it is issued; debug mode
+  checks that every rank is about to issue the same one (see [Note: debug mode]), and a
+  collective that fails (a timeout, a peer gone) prints this rank's last records to stderr
+  before the error propagates, so a hang that ends in a timeout says where each rank was.
 
 [Note: ordered reduction]
 A ring all-reduce sums an element's N contributions in an order that depends on where
@@ -30,16 +35,49 @@ Counted per call, per kind, as the ZeRO paper does: an all-reduce of B bytes cou
 (reduce-scatter + all-gather), a reduce-scatter its full input B, an all-gather its full
 output B, a broadcast B. `ring_factor` = (N-1)/N converts these to bytes a rank actually
 puts on the wire in a ring. Nothing is counted at world size 1.
+
+[Note: debug mode]
+A collective that one rank issues and another does not (a `no_sync()` on one rank only,
+an extra step, a unit run on one rank only) does not fail: it hangs until the process
+group's timeout (600 s by default), or worse, pairs with a *different* collective of the
+other rank and corrupts both. Debug mode (`zk.shard(..., debug=True)` or ZEROKIT_DEBUG=1)
+turns that into an immediate error on every rank. Before issuing a collective, each rank
+all-gathers its fingerprint — (seq, op, label, numel, dtype) hashed into two int64, one
+fixed-size (2 * N,) all-gather — and compares every rank's. When they differ, every rank
+has seen the same gathered rows, so every rank takes the same path: one all_gather_object
+of each rank's description in words, then a RuntimeError on every rank naming each rank
+and what it was about to do ("rank 0 is reduce-scattering bucket 3 (blocks.2.*), rank 1
+is all-gathering unit blocks.0"). The divergent collective is never issued.
+
+Why the check itself cannot hang: every collective is preceded by its check, and a check
+is the same fixed-size all-gather on every rank. As long as the ranks agreed so far, their
+k-th check pairs with each other's k-th check (collectives are matched by issue order), so
+the first divergence is seen in the check before it, never in a real collective. The one
+collective issued outside a public call (the all-gather half of an ordered all-reduce,
+issued from `wait()`) gets a check of its own. What remains is a rank that has *no*
+collective left to issue while another waits in a check: `ShardedOptimizer.step` (every
+stage's `engine.step()`) therefore calls `sync_point("optimizer step k")` first, a check
+with no collective after it, so a rank that skipped its backward's reductions meets the
+other rank's reduction check at its own step and both fail. A rank that has left
+altogether (fewer steps, or it died) cannot answer: the waiting rank's check fails when
+the peer's connection closes (or at the group's timeout) and raises naming its own
+collective and its last records. Cost: one small all-gather per collective (see
+benchmarks/results/debug_overhead.md); training is bitwise unchanged.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
+
+from zerokit.core.recorder import CollectiveRecord, CollectiveRecorder
 
 if dist.is_available():
     # Imported with zerokit, so before the user's init_process_group: torch.distributed.nn binds
@@ -54,18 +92,20 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 class Handle:
     """An in-flight collective. `wait()` blocks the CPU until the result is usable."""
 
-    def __init__(self, work=None, finish=None):
+    def __init__(self, work=None, finish=None, comm: "Comm | None" = None):
         self._work = work  # torch.distributed Work, or None when already complete
         self._finish = finish  # local step run after the communication (ordered sum)
+        self._comm = comm  # whose recorder a failure reports
         self.done = False
 
     def wait(self) -> None:
         if self.done:
             return
-        if self._work is not None:
-            self._work.wait()  # CPU waits here for the collective to complete
-        if self._finish is not None:
-            self._finish()
+        with self._comm.report_failure() if self._comm is not None else contextlib.nullcontext():
+            if self._work is not None:
+                self._work.wait()  # CPU waits here for the collective to complete (gloo raises on timeout)
+            if self._finish is not None:
+                self._finish()
         self.done = True
 
 
@@ -84,7 +124,10 @@ class Simulated:
 class Comm:
     """Collectives on flat 1-D tensors for one process group, with byte counters."""
 
-    def __init__(self, group=None, ordered: bool | None = None, simulate: Simulated | None = None):
+    def __init__(self, group=None, ordered: bool | None = None, simulate: Simulated | None = None,
+                 debug: bool | None = None):
+        """`debug`: check before each collective that every rank issues the same one ([Note: debug
+        mode]); None reads the environment (ZEROKIT_DEBUG=1 turns it on)."""
         self.simulate = simulate
         if simulate is not None:
             if not 0 <= simulate.rank < simulate.world_size:
@@ -104,6 +147,10 @@ class Comm:
         self.bytes_by_phase = collections.Counter()  # (phase, kind) -> logical bytes
         self.calls = collections.Counter()  # kind -> number of collectives issued
         self.trace: list[tuple[str, int, str]] | None = None  # (kind, numel, phase) when recording
+        self.recorder = CollectiveRecorder()  # this rank's last collectives, in ZeRO terms (core/recorder.py)
+        if debug is None:
+            debug = os.environ.get("ZEROKIT_DEBUG", "").strip() not in ("", "0")
+        self.debug = bool(debug)  # see [Note: debug mode]
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -150,79 +197,87 @@ class Comm:
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False,
-                   phase: str | None = None) -> Handle:
+                   phase: str | None = None, label: str | None = None) -> Handle:
         """In-place all-reduce of a 1-D tensor (`op` is "sum" or "max").
 
         An ordered sum needs the length padded to a multiple of world size; callers
         reduce flat padded buffers, and scalars go through `all_reduce_scalars`.
+        `label` names what moves in ZeRO terms, for the recorder (core/recorder.py).
         """
+        rec = self._record("all_reduce", tensor, label, phase)
         self._count("all_reduce", 2 * _nbytes(tensor), tensor.numel(), phase)
         if not self.distributed:
             return _DONE
-        with record_function("zerokit::all_reduce"):
+        with record_function("zerokit::all_reduce"), self.report_failure():
             if op == "sum" and self.ordered:
-                return self._ordered_all_reduce(tensor, async_op)
+                return self._ordered_all_reduce(tensor, async_op, rec)
             work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op)
-            return Handle(work) if async_op else _DONE
+            return Handle(work, comm=self) if async_op else _DONE
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
-                       phase: str | None = None) -> Handle:
+                       phase: str | None = None, label: str | None = None) -> Handle:
         """Sum `input` (padded_numel,) over ranks; this rank's range lands in `output` (padded_numel // N,).
 
         `output` may be this rank's own range of `input` (an in-place reduce-scatter).
         """
         assert input.numel() == output.numel() * self.world_size, (input.numel(), output.numel(), self.world_size)
+        self._record("reduce_scatter", input, label, phase)
         self._count("reduce_scatter", _nbytes(input), input.numel(), phase)
         if not self.distributed:
             start = self.rank * output.numel()
             output.copy_(input[start:start + output.numel()])
             return _DONE
-        with record_function("zerokit::reduce_scatter"):
+        with record_function("zerokit::reduce_scatter"), self.report_failure():
             if self.ordered:  # safe in place: the input is fully received before the sum is written
                 return self._ordered_reduce_scatter(output, input, async_op)
             if _shares_storage(output, input):  # in place (output is my range of input): go via a temporary
                 result = torch.empty_like(output)
                 work = dist.reduce_scatter_single(result, input, group=self.group, async_op=async_op)
-                handle = Handle(work if async_op else None, lambda: output.copy_(result))
+                handle = Handle(work if async_op else None, lambda: output.copy_(result), comm=self)
                 if not async_op:
                     handle.wait()
                 return handle
             work = dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op)
-            return Handle(work) if async_op else _DONE
+            return Handle(work, comm=self) if async_op else _DONE
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
-                   phase: str | None = None) -> Handle:
+                   phase: str | None = None, label: str | None = None) -> Handle:
         """Concatenate every rank's `input` (shard_numel,) into `output` (shard_numel * N,)."""
         assert output.numel() == input.numel() * self.world_size, (output.numel(), input.numel(), self.world_size)
+        self._record("all_gather", output, label, phase)
         self._count("all_gather", _nbytes(output), output.numel(), phase)
         if not self.distributed:
             # Simulated or single rank: every slot gets this rank's shard (correct shape,
             # and exact at world size 1).
             output.view(self.world_size, -1).copy_(input.view(1, -1).expand(self.world_size, -1))
             return _DONE
-        with record_function("zerokit::all_gather"):
+        with record_function("zerokit::all_gather"), self.report_failure():
             work = dist.all_gather_single(output, input, group=self.group, async_op=async_op)
-            return Handle(work) if async_op else _DONE
+            return Handle(work, comm=self) if async_op else _DONE
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, phase: str | None = None) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, phase: str | None = None,
+                  label: str | None = None) -> None:
         """Copy rank `src`'s tensor (group rank) to every rank, in place."""
+        self._record("broadcast", tensor, label, phase)
         self._count("broadcast", _nbytes(tensor), tensor.numel(), phase)
         if not self.distributed:
             return
-        with record_function("zerokit::broadcast"):
+        with record_function("zerokit::broadcast"), self.report_failure():
             dist.broadcast(tensor, src=self._global_rank(src), group=self.group)
 
-    def all_reduce_scalars(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    def all_reduce_scalars(self, values: torch.Tensor, op: str = "sum", label: str | None = None) -> torch.Tensor:
         """Reduce a few scalars (norm partials, overflow flags) in rank order; returns a new tensor.
 
         Gathers every rank's values and reduces them locally in rank order, so the
         result is identical on every rank and independent of the ring. Bytes are tiny
         and not counted: the ledgers track gradient and parameter traffic.
         """
+        self._record("all_reduce_scalars", values, label, None)
         if not self.distributed:
             return values.clone()
         gathered = torch.empty(self.world_size * values.numel(), dtype=values.dtype, device=values.device)
-        dist.all_gather_single(gathered, values.contiguous(), group=self.group)
+        with self.report_failure():
+            dist.all_gather_single(gathered, values.contiguous(), group=self.group)
         rows = gathered.view(self.world_size, -1)
         out = rows[0].clone()
         for r in range(1, self.world_size):  # fixed order 0..N-1: see [Note: ordered reduction]
@@ -234,17 +289,83 @@ class Comm:
                 raise ValueError(f"unknown op {op!r}")
         return out
 
-    def all_gather_object(self, obj) -> list:
+    def all_gather_object(self, obj, label: str | None = None, phase: str | None = None) -> list:
         """Every rank's `obj` (used at construction to validate inputs before any tensor collective)."""
+        self._record("all_gather_object", None, label, phase)
         if not self.distributed:
             return [obj]
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        with self.report_failure():
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def barrier(self) -> None:
+    def barrier(self, label: str | None = None) -> None:
+        self._record("barrier", None, label, None)
         if self.distributed:
-            dist.barrier(group=self.group)
+            with self.report_failure():
+                dist.barrier(group=self.group)
+
+    # ------------------------------------------------------------------ recorder, debug mode
+    def _record(self, op: str, tensor: torch.Tensor | None, label: str | None, phase: str | None) -> CollectiveRecord:
+        """Record the collective about to be issued; in debug mode, check every rank is about to issue it."""
+        rec = self.recorder.record(op, tensor, label, phase)
+        if self.debug and self.distributed:
+            self._check_same(rec.fingerprint(), _doing(rec))
+        return rec
+
+    def sync_point(self, what: str) -> None:
+        """Debug mode: every rank must reach `what` (e.g. "optimizer step 3") at the same point of its
+        collective sequence. A check with no collective after it, so that a rank with no collective left
+        meets a rank waiting for one ([Note: debug mode]); nothing at all outside debug mode."""
+        if self.debug and self.distributed:
+            seq = self.recorder.seq
+            self._check_same((seq, "sync_point", what), f"starting {what}, with no collective left before it [#{seq}]")
+
+    def _check_same(self, fingerprint: tuple, doing: str) -> None:
+        """[Note: debug mode]: raise on every rank unless every rank's `fingerprint` equals this one's."""
+        digest = int.from_bytes(hashlib.blake2b(repr(fingerprint).encode(), digest_size=8).digest(), "little",
+                                signed=True)  # repr, not hash(): str hashes differ between processes
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        mine = torch.tensor([fingerprint[0], digest], dtype=torch.int64, device=device)  # (2,)
+        everyone = torch.empty(2 * self.world_size, dtype=torch.int64, device=device)  # (2 * N,)
+        try:
+            dist.all_gather_single(everyone, mine, group=self.group)
+            rows = everyone.view(self.world_size, 2).tolist()
+            if all(row == rows[0] for row in rows):
+                return
+            # Every rank gathered the same rows, so every rank is here: this exchange pairs up too.
+            doings = [None] * self.world_size
+            dist.all_gather_object(doings, doing, group=self.group)
+        except RuntimeError as exc:  # gloo: the peer closed the connection, or the group's timeout
+            raise _reported(RuntimeError(
+                f"zerokit debug (rank {self.rank}): rank {self.rank} is {doing}, but the other ranks did not "
+                f"answer the check before it ({_first_line(exc)}): a rank has finished (fewer steps?), died, "
+                f"or is blocked outside zerokit.\n{self.recorder.report(self.rank)}")) from exc
+        ranks_of: dict[str, list[int]] = {}
+        for r, d in enumerate(doings):
+            ranks_of.setdefault(d, []).append(r)
+        sides = "\n".join(f"  rank {rs[0]} is {d}" if len(rs) == 1 else f"  ranks {', '.join(map(str, rs))} are {d}"
+                          for d, rs in ranks_of.items())
+        agreed = [rec for rec in self.recorder.records if rec.seq < fingerprint[0]]
+        last = f"#{agreed[-1].seq} {_doing(agreed[-1])}" if agreed else "none"
+        raise _reported(RuntimeError(
+            f"zerokit debug: collective #{fingerprint[0]} diverges between ranks (raised on rank {self.rank}):\n"
+            f"{sides}\nthe last collective every rank agreed on: {last}.\nEvery rank must issue the same "
+            "collectives in the same order: the same model and units, the same number of backwards and steps, "
+            "engine.no_sync() on every rank or on none."))
+
+    @contextlib.contextmanager
+    def report_failure(self):
+        """A collective that fails (gloo: "Timed out", "Connection closed by peer") first prints this rank's
+        last collectives to stderr, once per error, then the error propagates unchanged."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if not getattr(exc, "_zerokit_reported", False):
+                print(f"zerokit rank {self.rank}: a collective failed ({type(exc).__name__}: {_first_line(exc)})\n"
+                      f"{self.recorder.report(self.rank)}", file=sys.stderr, flush=True)
+                _reported(exc)
+            raise
 
     # ------------------------------------------------------------------ ordered recipe
     def _ordered_reduce_scatter(self, output, input, async_op) -> Handle:
@@ -258,12 +379,12 @@ class Comm:
                 output.add_(rows[r])
 
         work = dist.all_to_all_single(received, input, group=self.group, async_op=async_op)
-        handle = Handle(work if async_op else None, finish)
+        handle = Handle(work if async_op else None, finish, comm=self)
         if not async_op:
             handle.wait()
         return handle
 
-    def _ordered_all_reduce(self, tensor, async_op) -> Handle:
+    def _ordered_all_reduce(self, tensor, async_op, rec: CollectiveRecord) -> Handle:
         n = self.world_size
         assert tensor.numel() % n == 0, f"ordered all-reduce needs numel % world_size == 0, got {tensor.numel()} % {n}"
         shard = torch.empty(tensor.numel() // n, dtype=tensor.dtype, device=tensor.device)  # (numel // N,)
@@ -272,10 +393,13 @@ class Comm:
         def finish():
             rs.wait()
             # Second half of the all-reduce; issued from wait() in the same order on every
-            # rank because every rank waits on its handles in the same order.
+            # rank because every rank waits on its handles in the same order. Checked on its
+            # own in debug mode: a collective no call above has checked ([Note: debug mode]).
+            if self.debug:
+                self._check_same(rec.fingerprint() + ("all-gather half",), f"finishing (all-gather half) {_doing(rec)}")
             dist.all_gather_single(tensor, shard, group=self.group)
 
-        handle = Handle(None, finish)
+        handle = Handle(None, finish, comm=self)
         if not async_op:
             handle.wait()
         return handle
@@ -287,6 +411,31 @@ class Comm:
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX} if dist.is_available() else {}
+
+
+_VERBS = {"all_reduce": "all-reducing", "reduce_scatter": "reduce-scattering", "all_gather": "all-gathering",
+          "broadcast": "broadcasting", "all_reduce_scalars": "reducing", "all_gather_object": "exchanging",
+          "barrier": "at a barrier for"}
+
+
+def _doing(rec: CollectiveRecord) -> str:
+    """A record in words, as an error names it:
+    "reduce-scattering bucket 3 (blocks.2.*) [#41: 1536 x float32, backward]"."""
+    return f"{_VERBS.get(rec.op, rec.op)} {rec.label} [#{rec.seq}: {rec.numel} x {rec.dtype}, {rec.phase}]"
+
+
+def _reported(exc: BaseException) -> BaseException:
+    """Mark `exc` as already saying where this rank was: `Comm.report_failure` prints nothing more for it."""
+    try:
+        exc._zerokit_reported = True
+    except AttributeError:  # an exception type without a __dict__: reported again, at worst
+        pass
+    return exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -119,7 +119,7 @@ class Engine:
             for chunk in g.split(_NORM_CHUNK_NUMEL):
                 c64 = chunk.double()
                 partial += torch.dot(c64, c64)
-        total_sq = self.comm.all_reduce_scalars(partial.reshape(1))[0]
+        total_sq = self.comm.all_reduce_scalars(partial.reshape(1), label="gradient norm partials (clip_grad_norm_)")[0]
         norm = total_sq.sqrt().float()
         if self.scaler is not None:
             norm = norm / self.scaler.scale

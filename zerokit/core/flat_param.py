@@ -19,6 +19,7 @@ their own flat buffers: no gradient, no master copy, no optimizer state.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -71,6 +72,12 @@ class FlatParamLayout:
     @property
     def shard_range(self) -> tuple[int, int]:
         return self.layout.shard_range(self.rank)
+
+    @property
+    def label(self) -> str:
+        """This flat param as a bucket, in words: "bucket 3 (blocks.2.*)". What the collective recorder
+        (core/recorder.py) and debug mode's errors name a reduction by; the index is its collective order."""
+        return f"bucket {self.index} ({summarize_names([names[0] for names in self.names])})"
 
     # storage helpers -------------------------------------------------------
     def new_flat(self, dtype: torch.dtype | None = None, numel: int | None = None) -> torch.Tensor:
@@ -194,6 +201,33 @@ class FlatParamLayout:
                 f"padded={self.padded_numel}, dtype={self.dtype}, requires_grad={self.requires_grad})")
 
 
+def summarize_names(names: list[str], limit: int = 4) -> str:
+    """Parameter names, compactly, by common dotted prefix: "blocks.2.*" for everything under one module.
+
+    Names under different modules, or under different entries of a module list (a bucket that
+    crosses a block boundary), are shown one group per module or entry, each summarised the same
+    way: "blocks.0.mlp.proj.bias, blocks.1.*, ln_f.*" or "wte.weight, wpe.weight"; beyond `limit`
+    groups, the first ones, "..", and the last. One name is shown whole.
+    """
+    shown = _name_groups([name.split(".") for name in names])
+    if len(shown) > limit:
+        shown = shown[:limit - 1] + ["..", shown[-1]]
+    return ", ".join(shown)
+
+
+def _name_groups(parts: list[list[str]]) -> list[str]:
+    if len(parts) == 1:
+        return [".".join(parts[0])]
+    common = os.path.commonprefix(parts)  # the dotted components every name shares
+    groups: dict[str, list[list[str]]] = {}
+    for p in parts:
+        groups.setdefault(p[len(common)] if len(p) > len(common) else "", []).append(p)
+    if common and not all(key.isdigit() for key in groups):
+        return [".".join(common) + ".*"]  # one module's parameters
+    # no common module, or entries of one module list: one group each (each shares at least its key)
+    return [shown for members in groups.values() for shown in _name_groups(members)]
+
+
 @dataclass(frozen=True)
 class ParamInfo:
     names: list[str]
@@ -270,7 +304,8 @@ def check_module(module: nn.Module, comm, stage: int, param_groups: ParamGroupFn
     if not infos and not problems:
         problems.append("the model has no parameters")
     signature = [(i.names[0], tuple(i.param.shape), str(i.param.dtype), i.param.requires_grad) for i in infos]
-    everyone = comm.all_gather_object((problems, signature))
+    everyone = comm.all_gather_object((problems, signature), label="the model check (names, shapes, dtypes)",
+                                      phase="init")
     errors = []
     for r, (their_problems, _) in enumerate(everyone):
         errors += [f"rank {r}: {msg}" for msg in their_problems]
@@ -293,8 +328,8 @@ def check_module(module: nn.Module, comm, stage: int, param_groups: ParamGroupFn
 def broadcast_module_state(module: nn.Module, comm) -> None:
     """Copy rank 0's parameters (frozen ones too) and buffers to every rank, as DDP does."""
     seen = set()
-    for t in list(module.parameters()) + list(module.buffers()):
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         if id(t) in seen or t.numel() == 0:
             continue
         seen.add(id(t))
-        comm.broadcast(t.data, src=0, phase="init")
+        comm.broadcast(t.data, src=0, phase="init", label=name)

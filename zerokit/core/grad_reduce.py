@@ -1,6 +1,6 @@
 """Averaging one bucket's gradient over ranks: the one call every stage makes for it.
 
-    r = GradReduction(comm, grad, reduce_dtype)   # cast to the reduce dtype if needed, divide by N
+    r = GradReduction(comm, grad, reduce_dtype, fp.label)   # cast to the reduce dtype if needed, divide by N
     r.all_reduce()                                # stage 0, or:
     r.reduce_scatter(grad_shard, accumulate)      # stages 1-3 (both asynchronous)
     ... later ...
@@ -54,8 +54,11 @@ class GradReduction:
     `reduce_scatter` launches (asynchronously), `wait` finishes.
     """
 
-    def __init__(self, comm, grad: torch.Tensor, reduce_dtype: torch.dtype):
+    def __init__(self, comm, grad: torch.Tensor, reduce_dtype: torch.dtype, label: str):
+        """`label`: the bucket in words ("bucket 3 (blocks.2.*)", `FlatParamLayout.label`), what the
+        collective recorder and debug mode's errors call this reduction (core/recorder.py)."""
         self.comm = comm
+        self.label = label
         self.send = _send_buffer(grad, comm.world_size, reduce_dtype)  # what the collective reads
         self.copied = self.send is not grad  # True: a reduce-dtype copy; the param-dtype buffer may go
         self.transient: list[torch.Tensor] = [self.send] if self.copied else []  # comm_buffers in the ledger
@@ -66,7 +69,7 @@ class GradReduction:
     def all_reduce(self, phase: str = "backward") -> "GradReduction":
         """Average a replicated buffer (stage 0). `result`: the gradient buffer itself, or its reduce-dtype copy."""
         self.result = self.send
-        self._handle = self.comm.all_reduce(self.send, async_op=True, phase=phase)
+        self._handle = self.comm.all_reduce(self.send, async_op=True, phase=phase, label=self.label)
         return self
 
     def reduce_scatter(self, grad_shard: torch.Tensor, accumulate: bool = False,
@@ -84,7 +87,7 @@ class GradReduction:
             out = torch.empty_like(grad_shard)  # (shard_numel,) reduce dtype, added on completion
             self.transient.append(out)
             self._add_into, self.result = grad_shard, out
-        self._handle = self.comm.reduce_scatter(out, self.send, async_op=True, phase=phase)
+        self._handle = self.comm.reduce_scatter(out, self.send, async_op=True, phase=phase, label=self.label)
         return self
 
     def wait(self) -> None:

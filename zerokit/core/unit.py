@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from zerokit.core.config import WrapPolicy, wrap_matcher
-from zerokit.core.flat_param import FlatParamLayout, ParamInfo
+from zerokit.core.flat_param import FlatParamLayout, ParamInfo, summarize_names
 from zerokit.core.nest import map_tensors, tensors_in
 
 
@@ -81,6 +81,11 @@ class Unit:
         self._handles: list = []  # in-flight all-gathers (GATHERING, no side stream)
         self._event = None  # CUDA: recorded on the gather stream after the gathers
         self.num_trainable = sum(1 for fp in flat_params if fp.requires_grad)
+        # What the collective recorder calls each gather (core/recorder.py): "unit blocks.0", and
+        # with several flat params (frozen ones apart, say) which one: "unit blocks.0 (blocks.0.fc1.*)".
+        what = f"unit {name or '<root>'}"
+        self.gather_labels = [what] if len(flat_params) == 1 else [
+            f"{what} ({summarize_names([names[0] for names in fp.names])})" for fp in flat_params]
         self.reset_backward()
 
     # -- unshard / reshard ----------------------------------------------------------------
@@ -90,8 +95,8 @@ class Unit:
         for flat in self.flat_data:
             _alloc_storage(flat)  # on the compute stream; see below
         if self.gather_stream is None:
-            self._handles = [self.comm.all_gather(flat, shard, async_op=True, phase=phase)
-                             for flat, shard in zip(self.flat_data, self.param_shards)]
+            self._handles = [self.comm.all_gather(flat, shard, async_op=True, phase=phase, label=label)
+                             for flat, shard, label in zip(self.flat_data, self.param_shards, self.gather_labels)]
         else:
             # The side stream first waits for the compute stream (the optimizer may just have
             # written the shards), gathers, and records an event the compute stream waits on
@@ -99,9 +104,9 @@ class Unit:
             # every free happens after that wait, so no record_stream is needed.
             self.gather_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.gather_stream):
-                for flat, shard in zip(self.flat_data, self.param_shards):
+                for flat, shard, label in zip(self.flat_data, self.param_shards, self.gather_labels):
                     # wait() on NCCL only makes the (side) stream wait; the CPU goes on.
-                    self.comm.all_gather(flat, shard, async_op=True, phase=phase).wait()
+                    self.comm.all_gather(flat, shard, async_op=True, phase=phase, label=label).wait()
                 self._event = torch.cuda.Event()
                 self._event.record(self.gather_stream)
         self.state = UnitState.GATHERING

@@ -208,7 +208,8 @@ def _reduce(comm, sums: torch.Tensor, ord: float) -> torch.Tensor:
     flat = sums.reshape(-1)
     if comm is None:  # replicated (stage 0): every rank already holds every element
         return sums.clone()
-    return comm.all_reduce_scalars(flat, op="max" if ord == float("inf") else "sum").reshape(sums.shape)
+    return comm.all_reduce_scalars(flat, op="max" if ord == float("inf") else "sum",
+                                   label=f"param.grad norm partials (ShardedGrad, ord {ord:g})").reshape(sums.shape)
 
 
 def _finish(total: torch.Tensor, ord: float, scale: float, dtype: torch.dtype) -> torch.Tensor:

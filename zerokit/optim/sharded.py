@@ -53,6 +53,7 @@ class ShardedOptimizer:
         by default the param shards themselves, which under bf16/fp16 are already rounded."""
         assert len(param_shards) == len(options)
         self.policy, self.comm, self.scaler = policy, comm, scaler
+        self.steps_called = 0  # step() calls, skipped ones included: the same on every rank
         self.param_shards = param_shards
         if policy.needs_master:
             # (shard_numel,) fp32 each: the weights the optimizer really updates.
@@ -80,7 +81,7 @@ class ShardedOptimizer:
     def found_overflow(self, grad_shards: list[torch.Tensor]) -> bool:
         """Phase 1: every rank learns whether any rank's gradient holds inf/nan. A CPU sync point."""
         local = has_inf_or_nan(grad_shards)
-        return bool(self.comm.all_reduce_scalars(local.reshape(1), op="max").item() > 0)
+        return bool(self.comm.all_reduce_scalars(local.reshape(1), op="max", label="the fp16 overflow flag").item() > 0)
 
     def step(self, grad_shards: list[torch.Tensor], clip_coef: torch.Tensor | None = None) -> bool:
         """Update the master shards from `grad_shards` (aligned with param_shards); False if fp16 skipped it.
@@ -89,6 +90,10 @@ class ShardedOptimizer:
         inverse loss scale): the stage clears it before the next backward anyway.
         """
         assert len(grad_shards) == len(self.master_shards), (len(grad_shards), len(self.master_shards))
+        # Debug mode: a rank that skipped its backward's reductions meets the others here (core/comm.py
+        # [Note: debug mode]); nothing otherwise.
+        self.steps_called += 1
+        self.comm.sync_point(f"optimizer step {self.steps_called}")
         # 1. overflow (fp16 only)
         if self.scaler is not None and self.found_overflow(grad_shards):
             self.scaler.update(True)

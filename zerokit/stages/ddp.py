@@ -103,7 +103,7 @@ class DDPEngine(Checkpointing, Engine):
             return  # no_sync: gradients keep accumulating in the bucket
         # Divided by N, then summed over ranks: the average, in the bucket or its reduce-dtype copy.
         reduction = self.reductions[fp.index] = GradReduction(self.comm, self.flat_grads[fp.index],
-                                                              self.policy.reduce_dtype)
+                                                              self.policy.reduce_dtype, fp.label)
         reduction.all_reduce()
         if reduction.copied or self.scaler is not None:
             # `.grad` shows the average (not the bucket's local sum), and under fp16 unscaled

@@ -165,7 +165,7 @@ class Zero1Engine(Checkpointing, Engine):
         # Divided by N (and cast) exactly as stage 0 does, so the sums agree bit for bit. Without a
         # reduce-dtype copy the output is this rank's range of the bucket itself (comm handles the aliasing).
         reduction = self.reductions[fp.index] = GradReduction(self.comm, self.flat_grads[fp.index],
-                                                              self.policy.reduce_dtype)
+                                                              self.policy.reduce_dtype, fp.label)
         reduction.reduce_scatter(self.grad_shards[fp.index])
         self.in_flight.push(reduction, lambda index=fp.index: self.reductions.pop(index))
         if reduction.copied:
@@ -195,7 +195,8 @@ class Zero1Engine(Checkpointing, Engine):
             flat = self.flat_data[fp.index]  # (padded_numel,)
             param_shard = fp.shard_of(flat).clone()  # (shard_numel,)
             inputs.append(param_shard)
-            self.in_flight.push(self.comm.all_gather(flat, param_shard, async_op=True, phase="step"))
+            self.in_flight.push(self.comm.all_gather(flat, param_shard, async_op=True, phase="step",
+                                                     label=f"updated params of {fp.label}"))
         self.in_flight.wait_all()
         inputs.clear()
 
@@ -222,7 +223,7 @@ class Zero1Engine(Checkpointing, Engine):
         if self.policy.needs_master:
             for fp, master_shard in zip(self.trainable, self.optimizer.master_shards):
                 master = fp.new_flat(torch.float32)  # (padded_numel,) fp32, transient
-                self.comm.all_gather(master, master_shard, phase="state_dict")
+                self.comm.all_gather(master, master_shard, phase="state_dict", label=f"fp32 master of {fp.label}")
                 fp.write_into_state_dict(sd, master)
         return sd
 

@@ -174,7 +174,7 @@ class Zero2Engine(Checkpointing, Engine):
         the grad shard when an earlier backward since zero_grad wrote it (as torch's .grad accumulates).
         """
         reduction = self.reductions[fp.index] = GradReduction(self.comm, self.flat_grads[fp.index],
-                                                              self.policy.reduce_dtype)
+                                                              self.policy.reduce_dtype, fp.label)
         reduction.reduce_scatter(self.grad_shards[fp.index], accumulate=self.grad_shard_written[fp.index])
         self.grad_shard_written[fp.index] = True
         if reduction.copied:  # the collective reads the reduce-dtype copy: the param-dtype bucket can go now
@@ -215,7 +215,8 @@ class Zero2Engine(Checkpointing, Engine):
             flat = self.flat_data[fp.index]  # (padded_numel,)
             param_shard = fp.shard_of(flat).clone()  # (shard_numel,)
             inputs.append(param_shard)
-            self.in_flight.push(self.comm.all_gather(flat, param_shard, async_op=True, phase="step"))
+            self.in_flight.push(self.comm.all_gather(flat, param_shard, async_op=True, phase="step",
+                                                     label=f"updated params of {fp.label}"))
         self.in_flight.wait_all()
         inputs.clear()
 
@@ -238,7 +239,7 @@ class Zero2Engine(Checkpointing, Engine):
         if self.policy.needs_master:
             for fp, master_shard in zip(self.trainable, self.optimizer.master_shards):
                 master = fp.new_flat(torch.float32)  # (padded_numel,) fp32, transient
-                self.comm.all_gather(master, master_shard, phase="state_dict")
+                self.comm.all_gather(master, master_shard, phase="state_dict", label=f"fp32 master of {fp.label}")
                 fp.write_into_state_dict(sd, master)
         return sd
 

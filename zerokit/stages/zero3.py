@@ -260,7 +260,7 @@ class Zero3Engine(Checkpointing, Engine):
         the grad shard when an earlier backward since zero_grad wrote it (as torch's .grad accumulates).
         """
         reduction = self.reductions[fp.index] = GradReduction(self.comm, self.flat_grads[fp.index],
-                                                              self.policy.reduce_dtype)
+                                                              self.policy.reduce_dtype, fp.label)
         reduction.reduce_scatter(self.grad_shards[fp.index], accumulate=self.grad_shard_written[fp.index])
         self.grad_shard_written[fp.index] = True
         if reduction.copied:  # the collective reads the reduce-dtype copy: the param-dtype gradient can go now
@@ -309,7 +309,8 @@ class Zero3Engine(Checkpointing, Engine):
         for fp in self.flat_params:
             shard = masters.get(fp.index, self.param_shards[fp.index])  # (shard_numel,)
             flat = torch.empty(fp.padded_numel, dtype=shard.dtype, device=shard.device)  # (padded_numel,)
-            self.comm.all_gather(flat, shard, phase="state_dict")
+            what = "fp32 master" if fp.index in masters else "params"
+            self.comm.all_gather(flat, shard, phase="state_dict", label=f"{what} of {fp.label}")
             for p, view in zip(fp.params, fp.views(flat)):
                 values[id(p)] = view.clone()
         return {name: values[id(t)] if id(t) in values else t.detach().clone()
