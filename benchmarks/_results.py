@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import re
@@ -111,6 +112,14 @@ def provenance_lines(record: dict, prefix: str = "- ") -> list[str]:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def write_pair(out: Path, result: dict, markdown: str) -> None:
+    """Write a benchmark's results as `out`.json (the record, provenance included) and `out`.md."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown)
+    print(f"wrote {out}.json and .md")
 
 
 def clean_transcript(text: str) -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import statistics
 import sys
@@ -40,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import zerokit as zk  # noqa: E402
 from zerokit import checkpoint  # noqa: E402
-from _results import command_line, provenance, provenance_lines  # noqa: E402  (benchmarks/_results.py)
+from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
 
 STRONG = ["sha256", "blake2b", "blake2s", "sha512", "sha3_256"]
 WEAK = ["sha1", "md5"]  # collision attacks known: listed for scale only
@@ -145,10 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {**record, "hash_gb_per_s": speeds, "buffer_bytes": args.buffer_mib << 20, "checkpoint": cost,
               "repeats": args.repeats}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(_markdown(result))
-    print(f"wrote {args.out}.json and .md")
+    write_pair(args.out, result, _markdown(result))
     return 0
 
 

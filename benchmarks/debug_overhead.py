@@ -21,7 +21,6 @@ Writes benchmarks/results/debug_overhead.json and .md (command, date, commit, ma
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ import zerokit as zk  # noqa: E402
 from zerokit.commands.step import train_step  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
 from zerokit.models import Block, CharCorpus, build_model  # noqa: E402
-from _results import command_line, provenance, provenance_lines  # noqa: E402  (benchmarks/_results.py)
+from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
 
 STAGES = (0, 1, 2, 3)
 
@@ -142,10 +141,7 @@ def main(argv: list[str] | None = None) -> int:
               "rows": rows, "check_us_per_rank": [r["check_us"] for r in per_rank]}
     print("\n".join(table(rows)))
     print(f"one check on its own: {_check_line(result)}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(_markdown(result))
-    print(f"wrote {args.out}.json and .md")
+    write_pair(args.out, result, _markdown(result))
     return 0
 
 

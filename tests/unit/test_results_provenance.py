@@ -47,3 +47,11 @@ def test_record_writes_provenance_then_output_and_returns_the_status(tmp_path):
     for key in ("command", "date", "commit", "machine", "versions", "exit status: 3"):
         assert key in header, key
     assert body == "step 2\nhello\n"
+
+
+def test_write_pair_writes_the_record_and_its_markdown(tmp_path):
+    """benchmarks/_results.write_pair: out.json holds the record as written, out.md the markdown, folders made."""
+    out = tmp_path / "nested" / "cost"
+    _results.write_pair(out, {"command": "python x.py", "rows": [1, 2]}, "# title\n")
+    assert json.loads(out.with_suffix(".json").read_text()) == {"command": "python x.py", "rows": [1, 2]}
+    assert out.with_suffix(".md").read_text() == "# title\n"
