@@ -33,14 +33,20 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def git_commit(repo: Path = REPO) -> str:
-    """HEAD's full hash, "-dirty" appended if the work tree differs from it; "unknown" outside a git checkout."""
+    """HEAD's full hash, "-dirty" appended if the work tree differs from it; "unknown" outside a git checkout.
+
+    Outside a checkout (a copy of the tree without .git, as scripts/gpu_check.sh may run on), the
+    environment variable ZEROKIT_GIT_COMMIT, when set by whoever made the copy, is reported instead,
+    marked as given rather than read.
+    """
     try:
         head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
         status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True,
                                 check=True).stdout
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        given = os.environ.get("ZEROKIT_GIT_COMMIT", "").strip()
+        return f"{given} (given by ZEROKIT_GIT_COMMIT: no git checkout where this ran)" if given else "unknown"
     return head + ("-dirty" if status.strip() else "")
 
 

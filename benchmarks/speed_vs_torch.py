@@ -37,10 +37,30 @@ precision; the torch peers stay fp32, as in `zerokit compare`.
 
 With CUDA available the ranks use NCCL, one GPU each, and time with `torch.cuda.synchronize()`;
 results go to speed_vs_torch_cuda.*. Without it: gloo on CPU, speed_vs_torch_cpu.*.
+
+    python benchmarks/speed_vs_torch.py --peers plain --nproc 1 --model gpt2-medium --precision bf16 \
+        --batch-size 8 --steps 15 --warmup 5 --rounds 2 --bucket-numel 4194304
+
+`--peers plain` (world size 1 only) compares every zerokit stage with plain torch on one device
+instead: no process group, no wrapper, `torch.optim.AdamW` (foreach, the same decay / no-decay
+groups and hyperparameters) over the model's parameters, `loss.backward()`, `opt.step()`,
+`opt.zero_grad()` (set_to_none, torch's default). Everything runs in this one process. Under
+`--precision bf16` there are two such peers, since plain torch has two common bf16 recipes:
+
+    torch autocast bf16   fp32 params, forward under torch.autocast(dtype=torch.bfloat16),
+                          fp32 grads and AdamW states (16 bytes/param, as zerokit's 2+2+4+8)
+    torch bf16 params     model.to(torch.bfloat16): bf16 params, grads and AdamW states, no fp32
+                          master (8 bytes/param; not the same numerics as zerokit's fp32 master)
+
+under fp32 one, `torch fp32`. zerokit at world size 1 issues no collective, so the ratio is
+its per-step overhead (hooks, flat buffers, the sharded optimizer's fp32 master update) over
+torch's own loop. Results go through benchmarks/_results.py (`provenance`, `write_pair`) to
+speed_vs_torch_plain_<cpu | cuda>.json and .md.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -55,7 +75,8 @@ sys.path.insert(0, str(REPO))
 
 from zerokit.commands.compare import _no_decay, _unique_bytes, available_stages, environment  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
-from _results import git_commit  # noqa: E402  (benchmarks/_results.py, beside this script)
+from _results import command_line, git_commit, provenance, provenance_lines, write_pair  # noqa: E402
+# (benchmarks/_results.py, beside this script)
 
 # Largest |Δloss| accepted between a pair at fp32. The DDP pairs sum gradients in the same
 # order and may agree exactly; ZeroRedundancyOptimizer and FSDP reduce in other orders
@@ -73,6 +94,21 @@ PEERS = {
              "also keeps params sharded between steps, which ZeRO-2 does not)"),
     3: (FSDP, "parameters sharded, one unit per Block plus the root"),
 }
+# --peers plain: torch on one device, no wrapper (world size 1)
+PLAIN_FP32, PLAIN_AUTOCAST, PLAIN_BF16 = "torch fp32", "torch autocast bf16", "torch bf16 params"
+PLAIN = {
+    PLAIN_FP32: "plain torch loop, fp32 params, grads and AdamW states",
+    PLAIN_AUTOCAST: "plain torch loop, fp32 params under torch.autocast(bfloat16): fp32 grads and AdamW states",
+    PLAIN_BF16: "plain torch loop, model.to(bfloat16): bf16 params, grads and AdamW states, no fp32 master",
+}
+
+
+def peers_for(stage: int, cfg: dict) -> list[tuple[str, str]]:
+    """The torch runs a zerokit stage is compared with: (name, why), one pair each."""
+    if cfg.get("peers", "default") != "plain":
+        return [PEERS[stage]]
+    names = [PLAIN_FP32] if cfg["precision"] == "fp32" else [PLAIN_AUTOCAST, PLAIN_BF16]
+    return [(name, PLAIN[name]) for name in names]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -93,12 +129,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="zerokit's gradient reduction: its default (ordered on gloo, native on NCCL), the ordered "
                         "all-to-all + rank-order sum + all-gather, or the native all-reduce / reduce-scatter "
                         "(see zerokit/core/comm.py [Note: ordered reduction])")
+    p.add_argument("--peers", default="default", choices=["default", "plain"],
+                   help="default: torch DDP / ZeroRedundancyOptimizer / FSDP on --nproc ranks; plain: torch on one "
+                        "device without a wrapper, in this process (needs --nproc 1; see the module docstring)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800, help="seconds before the ranks are killed")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = p.parse_args(argv)
     if min(args.nproc, args.steps, args.batch_size, args.rounds) < 1 or not 0 <= args.warmup < args.steps:
         p.error("--nproc, --steps, --batch-size, --rounds must be >= 1 and 0 <= --warmup < --steps")
+    if args.peers == "plain" and args.nproc != 1:
+        p.error("--peers plain compares world size 1 runs: pass --nproc 1")
+    if args.peers == "plain" and args.precision == "fp16":
+        p.error("--peers plain has no fp16 peer (plain torch would need a GradScaler); use fp32 or bf16")
     return args
 
 
@@ -165,12 +208,32 @@ def _timed_steps(cfg: dict, rank: int, world_size: int, device: torch.device,
     return {"losses": losses, "step_ms": times, "peak_bytes": peak, "memory": held}
 
 
+_INITIAL: dict[tuple[str, int], torch.nn.Module] = {}
+
+
+def _initial_model(cfg: dict) -> torch.nn.Module:
+    """`build_model(model, seed)` on the CPU: the same initial weights for every run.
+
+    With --peers plain every run happens in this one process, so the model is built once and
+    each run gets a deep copy (bitwise the same weights; gpt2-medium takes seconds to initialise
+    on a CPU core). The multi-rank runs build afresh, as they always did.
+    """
+    from zerokit.models import build_model
+
+    if cfg.get("peers", "default") != "plain":
+        return build_model(cfg["model"], seed=cfg["seed"])
+    key = (cfg["model"], cfg["seed"])
+    if key not in _INITIAL:
+        _INITIAL[key] = build_model(cfg["model"], seed=cfg["seed"])
+    return copy.deepcopy(_INITIAL[key])
+
+
 def _run_zerokit(rank: int, world_size: int, cfg: dict, device: torch.device, stage: int) -> dict:
     import zerokit as zk
     from zerokit.commands.step import train_step
-    from zerokit.models import Block, build_model
+    from zerokit.models import Block
 
-    model = build_model(cfg["model"], seed=cfg["seed"]).to(device)
+    model = _initial_model(cfg).to(device)
     engine = zk.shard(model, torch.optim.AdamW, stage=stage, precision=cfg["precision"], lr=cfg["lr"],
                       weight_decay=0.1, bucket_numel=cfg["bucket_numel"], wrap=(Block,), param_groups=_no_decay,
                       ordered_reduction=ORDERED[cfg["reduction"]])
@@ -213,6 +276,25 @@ def _run_torch_ddp(rank: int, world_size: int, cfg: dict, device: torch.device, 
     return _timed_steps(cfg, rank, world_size, device, train_step,
                         lambda: opt.zero_grad(set_to_none=False),  # keep the grads as bucket views
                         lambda: _torch_memory(list(model.parameters()), opt.optim.state if zero else opt.state))
+
+
+def _run_torch_plain(rank: int, world_size: int, cfg: dict, device: torch.device, variant: str) -> dict:
+    """Plain torch on one device: AdamW over the model's parameters, the loop a user writes without zerokit."""
+    model = _initial_model(cfg).to(device)
+    if variant == PLAIN_BF16:
+        model = model.to(torch.bfloat16)
+    autocast = variant == PLAIN_AUTOCAST
+    opt = torch.optim.AdamW(_param_groups(model), lr=cfg["lr"], weight_decay=0.1, foreach=True)
+
+    def train_step(x, y):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            _, loss = model(x, y)  # models.GPT takes the loss from fp32 logits in every variant
+        loss.backward()
+        opt.step()
+        return loss
+
+    return _timed_steps(cfg, rank, world_size, device, train_step, opt.zero_grad,
+                        lambda: _torch_memory(list(model.parameters()), opt.state))
 
 
 def _fsdp2(model: torch.nn.Module, world_size: int, device: torch.device) -> torch.nn.Module:
@@ -275,11 +357,13 @@ def speed_rank(rank: int, world_size: int, cfg: dict) -> dict[str, list[dict]]:
     order: dict[str, Callable[[], dict]] = {}
     for stage in cfg["stages"]:
         order[f"zerokit stage {stage}"] = lambda stage=stage: _run_zerokit(rank, world_size, cfg, device, stage)
-        peer = PEERS[stage][0]
-        if peer == FSDP:
-            order.setdefault(peer, lambda: _run_torch_fsdp(rank, world_size, cfg, device))
-        else:
-            order.setdefault(peer, lambda zero=peer == ZERO: _run_torch_ddp(rank, world_size, cfg, device, zero))
+        for peer, _ in peers_for(stage, cfg):
+            if peer in PLAIN:
+                order.setdefault(peer, lambda peer=peer: _run_torch_plain(rank, world_size, cfg, device, peer))
+            elif peer == FSDP:
+                order.setdefault(peer, lambda: _run_torch_fsdp(rank, world_size, cfg, device))
+            else:
+                order.setdefault(peer, lambda zero=peer == ZERO: _run_torch_ddp(rank, world_size, cfg, device, zero))
     runs: dict[str, list[dict]] = {name: [] for name in order}
     for round_index in range(cfg["rounds"]):
         names = list(order) if round_index % 2 == 0 else list(reversed(order))
@@ -315,23 +399,24 @@ def summarize(per_rank: list[dict[str, list[dict]]], cfg: dict) -> dict:
         }
     pairs = []
     for stage in cfg["stages"]:
-        name, (peer, note) = f"zerokit stage {stage}", PEERS[stage]
-        zk_run, peer_run = runs[name], runs[peer]
-        pair = {"stage": stage, "zerokit": name, "peer": peer, "note": note,
-                "zerokit_ms": zk_run["step_ms_median"], "zerokit_tokens_per_s": zk_run["tokens_per_s"],
-                "zerokit_memory": zk_run["memory"][0], "peer_ms": None, "peer_tokens_per_s": None, "ratio": None,
-                "peer_memory": None, "max_abs_loss_diff": None, "loss_tolerance": None, "loss_within_tolerance": None,
-                "peer_error": peer_run.get("error")}
-        if "error" not in peer_run:
-            diff = max(abs(a - b) for zk_rounds, peer_rounds in zip(zk_run["losses"], peer_run["losses"])
-                       for zr, pr in zip(zk_rounds, peer_rounds) for a, b in zip(zr, pr))
-            tolerance = FP32_LOSS_TOLERANCE if cfg["precision"] == "fp32" else None
-            pair.update(peer=f"{peer} ({peer_run['variant']})" if "variant" in peer_run else peer,
-                        peer_ms=peer_run["step_ms_median"], peer_tokens_per_s=peer_run["tokens_per_s"],
-                        ratio=zk_run["step_ms_median"] / peer_run["step_ms_median"],
-                        peer_memory=peer_run["memory"][0], max_abs_loss_diff=diff, loss_tolerance=tolerance,
-                        loss_within_tolerance=None if tolerance is None else bool(diff <= tolerance))
-        pairs.append(pair)
+        for peer, note in peers_for(stage, cfg):
+            name = f"zerokit stage {stage}"
+            zk_run, peer_run = runs[name], runs[peer]
+            pair = {"stage": stage, "zerokit": name, "peer": peer, "note": note,
+                    "zerokit_ms": zk_run["step_ms_median"], "zerokit_tokens_per_s": zk_run["tokens_per_s"],
+                    "zerokit_memory": zk_run["memory"][0], "peer_ms": None, "peer_tokens_per_s": None, "ratio": None,
+                    "peer_memory": None, "max_abs_loss_diff": None, "loss_tolerance": None,
+                    "loss_within_tolerance": None, "peer_error": peer_run.get("error")}
+            if "error" not in peer_run:
+                diff = max(abs(a - b) for zk_rounds, peer_rounds in zip(zk_run["losses"], peer_run["losses"])
+                           for zr, pr in zip(zk_rounds, peer_rounds) for a, b in zip(zr, pr))
+                tolerance = FP32_LOSS_TOLERANCE if cfg["precision"] == "fp32" else None
+                pair.update(peer=f"{peer} ({peer_run['variant']})" if "variant" in peer_run else peer,
+                            peer_ms=peer_run["step_ms_median"], peer_tokens_per_s=peer_run["tokens_per_s"],
+                            ratio=zk_run["step_ms_median"] / peer_run["step_ms_median"],
+                            peer_memory=peer_run["memory"][0], max_abs_loss_diff=diff, loss_tolerance=tolerance,
+                            loss_within_tolerance=None if tolerance is None else bool(diff <= tolerance))
+            pairs.append(pair)
     return {"runs": runs, "pairs": pairs}
 
 
@@ -367,19 +452,26 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--nproc {args.nproc} needs {args.nproc} GPUs (NCCL: one per rank); "
                          f"{torch.cuda.device_count()} visible")
     commit = git_commit()  # taken before the run: the code that produced the numbers
+    plain = args.peers == "plain"
+    prov = provenance(command_line(__file__, argv)) if plain else None  # likewise, before the run
     stages, skipped = available_stages([0, 1, 2, 3])
     for stage, why in skipped.items():
         print(f"zerokit stage {stage} skipped: {why}")
     cfg = {"model": args.model, "block_size": preset(args.model).block_size, "nproc": args.nproc,
            "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "precision": args.precision,
            "batch_size": args.batch_size, "lr": args.lr, "bucket_numel": args.bucket_numel, "seed": args.seed,
-           "stages": stages, "device": device, "reduction": args.reduction,
+           "stages": stages, "device": device, "reduction": args.reduction, "peers": args.peers,
            # what --reduction default means here: core/comm.py orders the sum on gloo, not on NCCL
            "reduction_used": {"default": "ordered" if device == "cpu" else "native"}.get(args.reduction,
                                                                                           args.reduction)}
+    if plain:  # world size 1 in this process, no process group: zerokit issues no collective
+        cfg["reduction_used"] = "none"
     start = time.perf_counter()
-    per_rank = run_ranks(speed_rank, args.nproc, cfg, timeout_s=args.timeout,
-                         backend="nccl" if device == "cuda" else "gloo")
+    if plain:
+        per_rank = [speed_rank(0, 1, cfg)]
+    else:
+        per_rank = run_ranks(speed_rank, args.nproc, cfg, timeout_s=args.timeout,
+                             backend="nccl" if device == "cuda" else "gloo")
     result = summarize(per_rank, cfg)
 
     meta = environment()
@@ -394,17 +486,24 @@ def main(argv: list[str] | None = None) -> int:
     except OSError:
         meta["cpu_model"] = None
     record = {"meta": meta, "config": cfg, "skipped_stages": {str(k): v for k, v in skipped.items()}, **result}
+    if plain:
+        record = {"provenance": prov, **record}
 
     backend = "NCCL" if device == "cuda" else "gloo"
     lines = table(result["pairs"])
-    print(f"{args.nproc} {backend} rank(s), model {args.model}, {args.rounds} rounds of {args.steps} steps "
-          f"({args.warmup} warm-up) of "
-          f"{args.batch_size}x{cfg['block_size']} tokens per rank, AdamW; zerokit {args.precision}, torch fp32")
+    print(f"{'one process, no process group' if plain else f'{args.nproc} {backend} rank(s)'}, model {args.model}, "
+          f"{args.rounds} rounds of {args.steps} steps ({args.warmup} warm-up) of "
+          f"{args.batch_size}x{cfg['block_size']} tokens per rank, AdamW; zerokit {args.precision}, "
+          + ("peers: " + ", ".join(peer for peer, _ in peers_for(stages[0], cfg)) if plain and stages
+             else "torch fp32"))
     print("\n".join(lines))
     for p in result["pairs"]:
         if p["peer_error"]:
             print(f"{p['peer']} did not run: {p['peer_error']}")
 
+    if plain:
+        write_pair(args.out / f"speed_vs_torch_plain_{device}", record, "\n".join(markdown(record)) + "\n")
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = args.out / f"speed_vs_torch_{device}.json", args.out / f"speed_vs_torch_{device}.md"
     json_path.write_text(json.dumps(record, indent=2) + "\n")
@@ -419,31 +518,47 @@ def markdown(record: dict) -> list[str]:
     hw = meta["cpu_model"] or meta["processor"]
     if meta["cuda"]:
         hw += f", GPU: {meta['cuda']}"
-    md = [f"# zerokit vs torch: step time ({cfg['device']})", "",
-          f"- command (from the repository root): `{meta['command']}`",
-          f"- date: {meta['date']} ({meta['seconds']} s)",
-          f"- commit: {meta.get('commit', 'not recorded')}",
-          f"- hardware: {hw}, {meta['cpu_count']} CPU cores; {meta['platform']}",
-          f"- versions: Python {meta['python']}, torch {meta['torch']}",
-          f"- setup: {cfg['nproc']} {'NCCL' if cfg['device'] == 'cuda' else 'gloo'} ranks, model `{cfg['model']}`, "
-          f"{cfg['batch_size']} x {cfg['block_size']} tokens per rank per step, AdamW (lr {cfg['lr']}, weight decay "
-          f"0.1, none on biases/LayerNorms), {cfg['rounds']} rounds of {cfg['steps']} steps "
-          f"(the first {cfg['warmup']} of each "
-          f"warm-up; rounds alternate the run order), bucket "
-          f"{cfg['bucket_numel']} elements; zerokit {cfg['precision']}, torch peers fp32 with `foreach=True`",
-          "- zerokit's gradient reduction: " + (
-              "ordered (zerokit's gloo default, so that every stage is bitwise equal at any world size: each "
-              "reduce-scatter is an all-to-all plus a sum in rank order, and stage 0's all-reduce is that plus an "
-              "all-gather, two collectives per bucket where DDP launches one; `--reduction native` times the "
-              "plain collectives instead)"
-              if cfg["reduction_used"] == "ordered" else
-              "native (torch's all-reduce / reduce-scatter, as DDP and FSDP use)"), "",
+    if "provenance" in record:  # --peers plain: written through benchmarks/_results.py
+        head = [f"# zerokit vs plain torch: step time at world size 1 ({cfg['device']})", "",
+                *provenance_lines(record["provenance"]), f"- total: {meta['seconds']} s",
+                f"- setup: one process, no process group (world size 1: zerokit issues no collective), model "
+                f"`{cfg['model']}`, {cfg['batch_size']} x {cfg['block_size']} tokens per step, AdamW (lr {cfg['lr']}, "
+                f"weight decay 0.1, none on biases/LayerNorms), {cfg['rounds']} rounds of {cfg['steps']} steps (the "
+                f"first {cfg['warmup']} of each warm-up; rounds alternate the run order), zerokit bucket "
+                f"{cfg['bucket_numel']} elements; zerokit {cfg['precision']}"
+                + (" (bf16 params and grads, fp32 master and AdamW states)" if cfg["precision"] == "bf16" else "")
+                + "; torch: `torch.optim.AdamW(..., foreach=True)` over the model's parameters, `loss.backward()`, "
+                "`opt.step()`, `opt.zero_grad()` (set_to_none)", ""]
+    else:
+        head = [f"# zerokit vs torch: step time ({cfg['device']})", "",
+                f"- command (from the repository root): `{meta['command']}`",
+                f"- date: {meta['date']} ({meta['seconds']} s)",
+                f"- commit: {meta.get('commit', 'not recorded')}",
+                f"- hardware: {hw}, {meta['cpu_count']} CPU cores; {meta['platform']}",
+                f"- versions: Python {meta['python']}, torch {meta['torch']}",
+                f"- setup: {cfg['nproc']} {'NCCL' if cfg['device'] == 'cuda' else 'gloo'} ranks, model "
+                f"`{cfg['model']}`, "
+                f"{cfg['batch_size']} x {cfg['block_size']} tokens per rank per step, AdamW (lr {cfg['lr']}, weight "
+                f"decay 0.1, none on biases/LayerNorms), {cfg['rounds']} rounds of {cfg['steps']} steps "
+                f"(the first {cfg['warmup']} of each "
+                f"warm-up; rounds alternate the run order), bucket "
+                f"{cfg['bucket_numel']} elements; zerokit {cfg['precision']}, torch peers fp32 with `foreach=True`",
+                "- zerokit's gradient reduction: " + (
+                    "ordered (zerokit's gloo default, so that every stage is bitwise equal at any world size: each "
+                    "reduce-scatter is an all-to-all plus a sum in rank order, and stage 0's all-reduce is that plus "
+                    "an all-gather, two collectives per bucket where DDP launches one; `--reduction native` times the "
+                    "plain collectives instead)"
+                    if cfg["reduction_used"] == "ordered" else
+                    "native (torch's all-reduce / reduce-scatter, as DDP and FSDP use)"), ""]
+    md = head + [
           *table(record["pairs"]), "",
           "- ms: median step time (forward + backward + optimizer step + zero_grad) over every round's timed "
           "steps, on the slowest rank; ratio > 1 means zerokit is slower. tok/s: global tokens per step / that time.",
           "- max abs Δloss: largest |zerokit loss - peer loss| over every step, round and rank, same weights and "
           "batches; 0 means bit for bit. "
-          + (f"Tolerance {FP32_LOSS_TOLERANCE:g}: ZeroRedundancyOptimizer and FSDP may reduce in another order "
+          + ("zerokit and the torch peers compute in different precisions or recipes here, so it is informational."
+             if "provenance" in record and cfg["precision"] != "fp32" else
+             f"Tolerance {FP32_LOSS_TOLERANCE:g}: ZeroRedundancyOptimizer and FSDP may reduce in another order "
              "than zerokit (at 2 ranks a sum of two has one order, so they can still agree exactly)."
              if cfg["precision"] == "fp32" else "zerokit runs a lower precision here, so it is informational."),
           "- KB: rank 0's bytes after the last optimizer step, before its zero_grad (10^3 bytes); "
@@ -456,7 +571,7 @@ def markdown(record: dict) -> list[str]:
     fsdp = record["runs"].get(FSDP, {})
     if fsdp.get("fallback_errors"):
         md.append(f"- FSDP fallbacks taken: {'; '.join(fsdp['fallback_errors'])}")
-    if cfg["device"] == "cpu":
+    if cfg["device"] == "cpu" and "provenance" not in record:
         md += ["", f"On {meta['cpu_count']} CPU cores with {cfg['nproc']} ranks (one thread each) and a model this "
                "small, these timings mostly measure Python overhead per step (hooks, per-tensor bookkeeping, "
                "collective launches) and gloo's latency, not arithmetic or bandwidth; they say which implementation "

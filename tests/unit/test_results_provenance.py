@@ -12,10 +12,19 @@ import _results  # noqa: E402
 COMMIT = re.compile(r"^([0-9a-f]{40}(-dirty)?|unknown)$")
 
 
-def test_commit_is_head_with_a_dirty_flag_or_unknown_outside_git(tmp_path):
+def test_commit_is_head_with_a_dirty_flag_or_unknown_outside_git(tmp_path, monkeypatch):
     """git_commit() is a full hash, "-dirty" when the tree differs from it; "unknown" where there is no checkout."""
+    monkeypatch.delenv("ZEROKIT_GIT_COMMIT", raising=False)
     assert COMMIT.match(_results.git_commit()), _results.git_commit()
     assert _results.git_commit(tmp_path) == "unknown"
+
+
+def test_a_copy_without_git_reports_the_commit_it_was_given_as_given(tmp_path, monkeypatch):
+    """Outside a checkout ZEROKIT_GIT_COMMIT is reported, marked as given; inside one, git's answer wins."""
+    monkeypatch.setenv("ZEROKIT_GIT_COMMIT", "0123abc-dirty")
+    given = _results.git_commit(tmp_path)
+    assert given == "0123abc-dirty (given by ZEROKIT_GIT_COMMIT: no git checkout where this ran)"
+    assert COMMIT.match(_results.git_commit()), _results.git_commit()
 
 
 def test_provenance_has_command_date_commit_machine_and_versions():

@@ -73,3 +73,29 @@ def test_a_peer_that_fails_gets_its_error_in_the_table_and_no_number():
     rows = speed_vs_torch.table(out["pairs"])
     fsdp_row = [cell.strip() for cell in rows[-1].split("|")[1:-1]]
     assert fsdp_row[0] == "zerokit stage 3" and fsdp_row[2] == "20.0" and fsdp_row[3:5] == ["-", "-"]
+
+
+@pytest.mark.timeout(60)
+def test_plain_peers_run_in_process_at_world_size_1_and_write_through_the_results_helper(tmp_path):
+    """--peers plain: each stage beside plain torch in this process; fp32 at N=1 trains bit for bit like it."""
+    argv = ["--peers", "plain", "--nproc", "1", "--model", "tiny", "--precision", "fp32", "--steps", "2",
+            "--warmup", "1", "--rounds", "1", "--out", str(tmp_path)]
+    assert speed_vs_torch.main(argv) == 0
+    record = json.loads((tmp_path / "speed_vs_torch_plain_cpu.json").read_text())
+    md = (tmp_path / "speed_vs_torch_plain_cpu.md").read_text()
+    prov = record["provenance"]  # benchmarks/_results.py's record: command, date, commit, machine, versions
+    assert set(prov) == {"command", "date", "commit", "machine", "versions"}
+    assert prov["command"] == "python benchmarks/speed_vs_torch.py " + " ".join(argv)
+    assert [(p["stage"], p["peer"]) for p in record["pairs"]] == [(s, "torch fp32") for s in range(4)]
+    for pair in record["pairs"]:
+        assert pair["ratio"] == pytest.approx(pair["zerokit_ms"] / pair["peer_ms"])
+        assert pair["max_abs_loss_diff"] == 0.0, pair  # one process, fp32, the same AdamW math
+        assert pair["zerokit_memory"] == pair["peer_memory"], pair  # 4 + 4 + 8 bytes per parameter both
+    assert prov["command"] in md and prov["commit"] in md and "| zerokit stage 3 | torch fp32 |" in md
+
+
+def test_plain_peers_under_bf16_are_autocast_and_bf16_params():
+    """Under bf16 every stage gets two plain peers, each a pair of its own; the default peers are unchanged."""
+    cfg = {"peers": "plain", "precision": "bf16"}
+    assert [p for p, _ in speed_vs_torch.peers_for(2, cfg)] == ["torch autocast bf16", "torch bf16 params"]
+    assert speed_vs_torch.peers_for(3, {"precision": "bf16"}) == [speed_vs_torch.PEERS[3]]
