@@ -27,6 +27,7 @@ Public API (stable names; the full contract is docs/design.md):
   engine.save(dir), engine.load(dir)       sharded checkpoints; load may change world size and stage
   zk.shard(..., debug=True)                ranks whose collectives diverge fail at once, naming what each
                                            was doing (also ZEROKIT_DEBUG=1); core/comm.py [Note: debug mode]
+  zk.shard(..., reduction="tree")          bits independent of the world size (core/tree.py)
   zk.estimate(num_params, world_size, stage, precision)   analytic bytes per rank
   zk.lora.inject(model, targets=("q", "v"), rank=8, alpha=1.0)
 """
@@ -92,8 +93,8 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
           precision: str = "fp32", reduce_dtype: torch.dtype | None = None, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
           wrap=None, prefetch: int = 1, reshard_after_forward: bool = True, group=None, param_groups=None,
           loss_scaler: dict | None = None, ordered_reduction: bool | None = None, comm: Comm | None = None,
-          accumulate: str = "reduce_scatter", max_in_flight: int = 2, cast_inputs: bool = True,
-          debug: bool | None = None, **optimizer_kwargs):
+          accumulate: str | None = None, max_in_flight: int = 2, cast_inputs: bool = True,
+          debug: bool | None = None, reduction: str = "linear", **optimizer_kwargs):
     """Wrap `model` for ZeRO stage `stage` (0 = DDP) and build its sharded optimizer.
 
     Every stage takes the same keywords (a stage ignores those it has no use for, such
@@ -110,8 +111,8 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     gloo, native on NCCL). `comm` replaces `group`/`ordered_reduction` with a ready Comm
     (for example a simulated rank of a larger world). `accumulate` (stage 2 only): how
     gradients accumulate under `no_sync()` — "reduce_scatter" every micro-step into the
-    grad shard (low memory) or "local" full gradients until the last micro-step (less
-    communication); see stages/zero2.py. `max_in_flight` (stage 2): reduce-scatters left
+    grad shard (low memory; the default) or "local" full gradients until the last micro-step
+    (less communication; the only choice under reduction="tree"); see stages/zero2.py. `max_in_flight` (stage 2): reduce-scatters left
     running before a gradient hook waits, which bounds full-size gradient memory.
     `cast_inputs` (bf16/fp16): floating-point tensors among the arguments of `engine(...)`,
     nested in lists, tuples and dicts, are cast to the param dtype, as torch FSDP's mixed
@@ -123,6 +124,11 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     reduce-scattering bucket 3 (blocks.2.*), rank 1 is all-gathering unit blocks.0") instead of
     hanging until the process group's timeout. Costs one small all-gather per collective; training
     is bitwise unchanged (core/comm.py [Note: debug mode]). With `comm=`, it sets `comm.debug`.
+    `reduction="tree"` (every stage and precision): the step's micro-batch gradients are summed
+    in one fixed binary tree — pairwise partial sums on each rank under `no_sync()`, pairwise
+    across ranks, an exact gradient norm — so a run's bits do not depend on the world size: one
+    process with 4 micro-batches reproduces 4 ranks with 1 each (core/tree.py [Note:
+    world-size-independent bits]). World size and micro-batches per rank must be powers of two.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {sorted(STAGES)}, got {stage!r}")
@@ -132,7 +138,7 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
         raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer class, got {optimizer_cls!r}")
     config = ShardConfig(stage=stage, bucket_numel=bucket_numel, param_groups=param_groups, cast_inputs=cast_inputs,
                          accumulate=accumulate, max_in_flight=max_in_flight, wrap=wrap, prefetch=prefetch,
-                         reshard_after_forward=reshard_after_forward)
+                         reshard_after_forward=reshard_after_forward, reduction=reduction)
     check_optimizer_kwargs(optimizer_cls, optimizer_kwargs, _SHARD_OPTIONS)
     policy = make_policy(precision, reduce_dtype=reduce_dtype)
     if loss_scaler is not None and not policy.uses_loss_scaler:

@@ -28,7 +28,10 @@ result for an element then depends only on its N contributions, so every stage a
 bit for bit whatever its layout. Gradients are pre-multiplied by 1/N before the sum, as
 torch's DDP does, which makes world size 2 bitwise equal to DDP (a + b == b + a).
 `ordered=None` picks ordered on gloo (CPU: exactness is the point there) and the native
-collective on NCCL (speed is the point there).
+collective on NCCL (speed is the point there). With `tree=True` (`zk.shard(reduction="tree")`)
+the local sum adds the N contributions pairwise, (r0 + r1) + (r2 + r3), the upper levels
+of the binary tree that makes the bits independent of N (core/tree.py [Note:
+world-size-independent bits]); it implies ordered, on NCCL too, and needs N a power of two.
 
 [Note: byte accounting]
 Counted per call, per kind, as the ZeRO paper does: an all-reduce of B bytes counts 2B
@@ -78,6 +81,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from zerokit.core.recorder import CollectiveRecord, CollectiveRecorder
+from zerokit.core.tree import is_power_of_two, pairwise_sum_
 
 if dist.is_available():
     # Imported with zerokit, so before the user's init_process_group: torch.distributed.nn binds
@@ -125,9 +129,10 @@ class Comm:
     """Collectives on flat 1-D tensors for one process group, with byte counters."""
 
     def __init__(self, group=None, ordered: bool | None = None, simulate: Simulated | None = None,
-                 debug: bool | None = None):
+                 debug: bool | None = None, tree: bool = False):
         """`debug`: check before each collective that every rank issues the same one ([Note: debug
-        mode]); None reads the environment (ZEROKIT_DEBUG=1 turns it on)."""
+        mode]); None reads the environment (ZEROKIT_DEBUG=1 turns it on). `tree`: sum ranks
+        pairwise (see `use_tree`)."""
         self.simulate = simulate
         if simulate is not None:
             if not 0 <= simulate.rank < simulate.world_size:
@@ -143,6 +148,9 @@ class Comm:
                 raise ValueError("group= was given but torch.distributed is not initialised")
             self.group, self.rank, self.world_size, self.backend = None, 0, 1, "none"
         self.ordered = (self.backend != "nccl") if ordered is None else bool(ordered)
+        self.tree = False
+        if tree:
+            self.use_tree()
         self.bytes = collections.Counter()  # kind -> logical bytes
         self.bytes_by_phase = collections.Counter()  # (phase, kind) -> logical bytes
         self.calls = collections.Counter()  # kind -> number of collectives issued
@@ -151,6 +159,13 @@ class Comm:
         if debug is None:
             debug = os.environ.get("ZEROKIT_DEBUG", "").strip() not in ("", "0")
         self.debug = bool(debug)  # see [Note: debug mode]
+
+    def use_tree(self) -> None:
+        """Sum the ranks' contributions pairwise ([Note: ordered reduction]; core/tree.py). Needs N = 2^j."""
+        if not is_power_of_two(self.world_size):
+            raise ValueError(f"reduction='tree' needs a power-of-two world size (1, 2, 4, 8, ...), got "
+                             f"{self.world_size}: the binary tree over ranks has no other shape")
+        self.tree, self.ordered = True, True
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -374,6 +389,9 @@ class Comm:
 
         def finish():
             rows = received.view(n, -1)  # row r = rank r's contribution to my range
+            if self.tree:  # (r0 + r1) + (r2 + r3): core/tree.py
+                output.copy_(pairwise_sum_(rows))
+                return
             output.copy_(rows[0])
             for r in range(1, n):  # rank order 0..N-1: see [Note: ordered reduction]
                 output.add_(rows[r])

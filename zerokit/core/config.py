@@ -18,6 +18,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from zerokit.core.tree import REDUCTIONS
+
 DEFAULT_BUCKET_NUMEL = 1 << 22  # 4 Mi elements: 16 MiB of fp32 gradient per bucket
 ACCUMULATE_POLICIES = ("reduce_scatter", "local")
 
@@ -33,19 +35,28 @@ class ShardConfig:
     bucket_numel: int = DEFAULT_BUCKET_NUMEL  # stages 0-2: elements per gradient bucket
     param_groups: ParamGroupFn | None = None  # every stage: per-parameter optimizer overrides
     cast_inputs: bool = True  # every stage: cast floating inputs to the param dtype (bf16/fp16)
-    accumulate: str = "reduce_scatter"  # stage 2: how no_sync() micro-steps accumulate
+    accumulate: str | None = None  # stage 2: how no_sync() micro-steps accumulate (None: the reduction's default)
     max_in_flight: int = 2  # stage 2: reduce-scatters left running before a gradient hook waits
     wrap: WrapPolicy = None  # stage 3: which modules are units
     prefetch: int = 1  # stage 3: units gathered ahead of the one computing
     reshard_after_forward: bool = True  # stage 3: free a unit's params between its forward and backward
+    reduction: str = "linear"  # every stage: "tree" for world-size-independent bits (core/tree.py)
 
     def __post_init__(self) -> None:
         _check_int("stage", self.stage, 0, 3)
         _check_int("bucket_numel", self.bucket_numel, 1)
         _check_int("max_in_flight", self.max_in_flight, 0)
         _check_int("prefetch", self.prefetch, 0)
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        if self.accumulate is None:  # tree: micro-batches are summed locally, in pairwise partial sums
+            object.__setattr__(self, "accumulate", "local" if self.reduction == "tree" else "reduce_scatter")
         if self.accumulate not in ACCUMULATE_POLICIES:
             raise ValueError(f"accumulate must be one of {ACCUMULATE_POLICIES}, got {self.accumulate!r}")
+        if self.reduction == "tree" and self.accumulate != "local":
+            raise ValueError("reduction='tree' sums a rank's micro-batches locally, in pairwise partial sums, "
+                             f"before one reduce-scatter; accumulate={self.accumulate!r} would reduce every "
+                             "micro-step across ranks: drop accumulate= (or pass accumulate='local')")
         if self.param_groups is not None and not callable(self.param_groups):
             raise TypeError(f"param_groups must be a callable(name, param) -> dict, got {self.param_groups!r}")
         wrap_matcher(self.wrap)  # raises on a policy that is neither classes nor a callable

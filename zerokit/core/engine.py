@@ -22,7 +22,9 @@ import torch
 from torch import nn
 
 from zerokit.core.config import ShardConfig
+from zerokit.core.grad_reduce import GradReduction
 from zerokit.core.precision import LossScaler, PrecisionPolicy, cast_floating_tensors
+from zerokit.core.tree import PartialSums, exact_square_sum, norm_from_square_sum
 
 
 _NORM_CHUNK_NUMEL = 1 << 20  # elements converted to fp64 at a time when summing squares
@@ -44,6 +46,12 @@ class Engine:
         self.input_dtype = policy.param_dtype if config.cast_inputs and policy.needs_master else None
         # Set by clip_grad_norm_, handed to the next optimizer step, forgotten by zero_grad.
         self.clip_coef: torch.Tensor | None = None
+        # reduction="tree": each trainable bucket's pairwise partial sums of the step's micro-batches.
+        self.partials: dict[int, PartialSums] = {}
+        if config.reduction == "tree":
+            comm.use_tree()  # the cross-rank sum pairwise too; raises unless N is a power of two
+        # fp16 + tree: the gradient's 1/N rides in the loss scale (`backward`), not in the reduction.
+        self._divide_in_loss = config.reduction == "tree" and scaler is not None
 
     # -- running the model ------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -58,9 +66,13 @@ class Engine:
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(), with the loss multiplied by the fp16 loss scale first."""
+        """loss.backward(), with the loss multiplied by the fp16 loss scale first.
+
+        fp16 under reduction="tree": by scale / N, and the reductions do not divide by N, so
+        that every fp16 leaf of the tree holds the same bits at every world size (core/tree.py).
+        """
         if self.scaler is not None:
-            loss = loss * self.scaler.scale
+            loss = loss * (self.scaler.scale / self.world_size if self._divide_in_loss else self.scaler.scale)
         loss.backward()
 
     @contextlib.contextmanager
@@ -109,10 +121,15 @@ class Engine:
         depend on how a stage groups elements into buffers and ranks, so clipped runs stay
         bitwise equal across stages. The coefficient is applied while the optimizer forms
         its master gradients, as torch's clip_grad_norm_ would have scaled the gradients:
-        coef = max_norm / (norm + 1e-6), capped at 1.
+        coef = max_norm / (norm + 1e-6), capped at 1. With reduction="tree" the sum of squares
+        is exact (integer bins, core/tree.py), so the norm is equal at every world size too.
         """
         self.finish_backward()
+        self.check_partials_sent()
         shards = self.norm_shards()
+        if self.config.reduction == "tree":  # exact, so equal at every world size: core/tree.py
+            bins = self.comm.all_reduce_scalars(exact_square_sum(shards), label="gradient norm bins (clip_grad_norm_)")
+            return self._set_clip_coef(norm_from_square_sum(bins).to(bins.device), max_norm)
         device = shards[0].device if shards else torch.device("cpu")
         partial = torch.zeros((), dtype=torch.float64, device=device)
         for g in shards:  # per flat buffer, in chunks: the fp64 copy stays small
@@ -120,7 +137,9 @@ class Engine:
                 c64 = chunk.double()
                 partial += torch.dot(c64, c64)
         total_sq = self.comm.all_reduce_scalars(partial.reshape(1), label="gradient norm partials (clip_grad_norm_)")[0]
-        norm = total_sq.sqrt().float()
+        return self._set_clip_coef(total_sq.sqrt().float(), max_norm)
+
+    def _set_clip_coef(self, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
         if self.scaler is not None:
             norm = norm / self.scaler.scale
         # Spelled as torch.nn.utils.clip_grad_norm_ spells it (a Python float over a tensor is a
@@ -149,6 +168,8 @@ class Engine:
         seen: set = set()
         out = {}
         categories = dict(self.memory_tensors())
+        if self.config.reduction == "tree":  # log2(k) partial sums per bucket while accumulating
+            categories["tree_partials"] = [t for partials in self.partials.values() for t in partials.tensors()]
         categories["comm_buffers"] = self.comm_buffer_tensors()
         for category, tensors in categories.items():
             total = 0
@@ -163,6 +184,34 @@ class Engine:
             out[category] = total
         return out
 
+    # -- reduction="tree" (core/tree.py [Note: world-size-independent bits]) -------------------
+    def grad_reduction(self, fp, grad: torch.Tensor) -> GradReduction:
+        """A bucket's gradient on its way to the average (core/grad_reduce.py), as every stage builds it."""
+        return GradReduction(self.comm, grad, self.policy.reduce_dtype, fp.label, self.partials_of(fp),
+                             divide=not self._divide_in_loss)
+
+    def partials_of(self, fp) -> PartialSums | None:
+        """The bucket's pairwise partial sums under reduction="tree"; None under "linear"."""
+        if self.config.reduction != "tree":
+            return None
+        if fp.index not in self.partials:
+            self.partials[fp.index] = PartialSums(self.policy.reduce_dtype, fp.label)
+        return self.partials[fp.index]
+
+    def check_partials_sent(self) -> None:
+        """Refuse to clip or step on micro-batches still held as partial sums (all of them under no_sync)."""
+        for partials in self.partials.values():
+            if partials.count:
+                raise RuntimeError(
+                    f"zerokit stage {self.stage} (rank {self.rank}): reduction='tree' holds {partials.count} "
+                    f"micro-batch gradient(s) of {partials.label} not yet reduced across ranks: the step's last "
+                    "backward must run outside engine.no_sync()")
+
+    def clear_partials(self) -> None:
+        """zero_grad: a new step's tree starts empty."""
+        for partials in self.partials.values():
+            partials.clear()
+
     # -- param.grad as user code left it (core/user_grads.py [Note: param.grad belongs to the user]) --
     def check_user_grads_before_step(self) -> None:
         """Called by every stage's `step`: take over what user code did to `param.grad` since backward.
@@ -170,8 +219,13 @@ class Engine:
         A gradient zeroed or scaled in place already reached the storage the optimizer reads.
         A `.grad` set to None after backward cannot be honoured (a torch optimizer would skip
         that parameter; zerokit updates whole flat buffers), so it is refused, as is an
-        assigned tensor except at stage 0 (`adopt_assigned_grads`).
+        assigned tensor except at stage 0 (`adopt_assigned_grads`). Under reduction="tree",
+        micro-batches still held as partial sums (no synced backward) are refused too, and the
+        step's tree is done with: the next backward starts a new one even when the loop clears
+        gradients with model.zero_grad() rather than engine.zero_grad().
         """
+        self.check_partials_sent()
+        self.clear_partials()
         for fp in self.flat_params:
             if not fp.requires_grad:
                 continue

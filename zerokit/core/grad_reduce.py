@@ -25,6 +25,11 @@ reductions of bf16 gradients), and its result stays in the reduce dtype (stage 0
 its fp32 master gradient from it without a second rounding. `copied` tells the stage that
 the param-dtype buffer is no longer read by the collective and may be released.
 
+With `reduction="tree"` (core/tree.py [Note: world-size-independent bits]) the stage passes
+the bucket's `PartialSums`: the constructor adds this last micro-batch's gradient to the
+pairwise partial sums of the earlier ones and reduces their total (the bucket itself when
+there were none), which is then what `copied` compares the gradient buffer against.
+
 Every stage reduces through this class and nothing else, which is what keeps the stages
 bitwise equal to each other under any reduce dtype: cast and scale are elementwise, and the
 rank-ordered reduction (core/comm.py [Note: ordered reduction]) makes the sum of an element
@@ -34,16 +39,18 @@ from __future__ import annotations
 
 import torch
 
+from zerokit.core.tree import PartialSums
+
 __all__ = ["GradReduction"]
 
 
-def _send_buffer(grad: torch.Tensor, world_size: int, reduce_dtype: torch.dtype) -> torch.Tensor:
-    """`grad` cast to `reduce_dtype` (a new buffer only when the dtype differs), then divided by N."""
+def _send_buffer(grad: torch.Tensor, divisor: int, reduce_dtype: torch.dtype) -> torch.Tensor:
+    """`grad` cast to `reduce_dtype` (a new buffer only when the dtype differs), then divided by `divisor` (N)."""
     if grad.dtype == reduce_dtype:
-        return grad.mul_(1.0 / world_size)  # pre-divide in place, as torch DDP does
+        return grad.mul_(1.0 / divisor) if divisor != 1 else grad  # pre-divide in place, as torch DDP does
     send = torch.empty(grad.shape, dtype=reduce_dtype, device=grad.device)  # transient, reduce dtype
     send.copy_(grad)
-    return send.mul_(1.0 / world_size)
+    return send.mul_(1.0 / divisor) if divisor != 1 else send
 
 
 class GradReduction:
@@ -54,12 +61,17 @@ class GradReduction:
     `reduce_scatter` launches (asynchronously), `wait` finishes.
     """
 
-    def __init__(self, comm, grad: torch.Tensor, reduce_dtype: torch.dtype, label: str):
+    def __init__(self, comm, grad: torch.Tensor, reduce_dtype: torch.dtype, label: str,
+                 partials: PartialSums | None = None, divide: bool = True):
         """`label`: the bucket in words ("bucket 3 (blocks.2.*)", `FlatParamLayout.label`), what the
-        collective recorder and debug mode's errors call this reduction (core/recorder.py)."""
+        collective recorder and debug mode's errors call this reduction (core/recorder.py).
+        `partials`: reduction="tree", the bucket's partial sums of this step's earlier micro-batches.
+        `divide=False`: the 1/N is already in the gradient (fp16 under reduction="tree" puts it in
+        the loss scale: core/tree.py)."""
         self.comm = comm
         self.label = label
-        self.send = _send_buffer(grad, comm.world_size, reduce_dtype)  # what the collective reads
+        local = partials.total(grad) if partials is not None else grad  # this rank's sum over its micro-batches
+        self.send = _send_buffer(local, comm.world_size if divide else 1, reduce_dtype)  # what the collective reads
         self.copied = self.send is not grad  # True: a reduce-dtype copy; the param-dtype buffer may go
         self.transient: list[torch.Tensor] = [self.send] if self.copied else []  # comm_buffers in the ledger
         self.result: torch.Tensor | None = None  # where the average is once wait() returns

@@ -99,11 +99,15 @@ class DDPEngine(Checkpointing, Engine):
 
     def _on_bucket_ready(self, fp: FlatParamLayout) -> None:
         """A bucket's gradients are all accumulated: average them over ranks, asynchronously."""
-        if not self.sync_gradients:
-            return  # no_sync: gradients keep accumulating in the bucket
-        # Divided by N, then summed over ranks: the average, in the bucket or its reduce-dtype copy.
-        reduction = self.reductions[fp.index] = GradReduction(self.comm, self.flat_grads[fp.index],
-                                                              self.policy.reduce_dtype, fp.label)
+        grad, partials = self.flat_grads[fp.index], self.partials_of(fp)
+        if not self.sync_gradients:  # no_sync: gradients keep accumulating in the bucket, or under
+            if partials is not None:  # reduction="tree" in pairwise partial sums (core/tree.py)
+                partials.add(grad, reuse=True)
+                grad.zero_()
+            return
+        # Divided by N, then summed over ranks: the average, in the bucket or its reduce-dtype copy
+        # (or, under reduction="tree", in the partial sum of the step's micro-batches).
+        reduction = self.reductions[fp.index] = self.grad_reduction(fp, grad)
         reduction.all_reduce()
         if reduction.copied or self.scaler is not None:
             # `.grad` shows the average (not the bucket's local sum), and under fp16 unscaled
@@ -154,6 +158,7 @@ class DDPEngine(Checkpointing, Engine):
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
         self.clip_coef = None
+        self.clear_partials()
         self.drop_reductions()
         for fp, grad in zip(self.flat_params, self.flat_grads):
             if grad is not None:

@@ -138,7 +138,12 @@ class Zero1Engine(Checkpointing, Engine):
         fp.use_as_grad_storage(grad)  # plain views: autograd accumulates into the bucket
 
     def _on_bucket_ready(self, fp: FlatParamLayout) -> None:
-        """A bucket's gradients are all accumulated. Stage 1 keeps the full gradient until backward ends."""
+        """A bucket's gradients are all accumulated. Stage 1 keeps the full gradient until backward ends
+        (under reduction="tree" and no_sync, it moves into the bucket's pairwise partial sums: core/tree.py)."""
+        partials = self.partials_of(fp)
+        if partials is not None and not self.sync_gradients:
+            partials.add(self.flat_grads[fp.index], reuse=True)
+            self.flat_grads[fp.index].zero_()
 
     # 3. finish backward ---------------------------------------------------------------
     def _on_backward_end(self) -> None:
@@ -164,8 +169,7 @@ class Zero1Engine(Checkpointing, Engine):
         self.grad_shard_written[fp.index] = True
         # Divided by N (and cast) exactly as stage 0 does, so the sums agree bit for bit. Without a
         # reduce-dtype copy the output is this rank's range of the bucket itself (comm handles the aliasing).
-        reduction = self.reductions[fp.index] = GradReduction(self.comm, self.flat_grads[fp.index],
-                                                              self.policy.reduce_dtype, fp.label)
+        reduction = self.reductions[fp.index] = self.grad_reduction(fp, self.flat_grads[fp.index])
         reduction.reduce_scatter(self.grad_shards[fp.index])
         self.in_flight.push(reduction, lambda index=fp.index: self.reductions.pop(index))
         if reduction.copied:
@@ -203,6 +207,7 @@ class Zero1Engine(Checkpointing, Engine):
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
         self.clip_coef = None
+        self.clear_partials()
         for fp in self.trainable:
             self._zero_bucket(fp)
 

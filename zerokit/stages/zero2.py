@@ -153,6 +153,10 @@ class Zero2Engine(Checkpointing, Engine):
     def _on_bucket_ready(self, fp: FlatParamLayout) -> None:
         """A bucket's gradients are all accumulated: reduce-scatter now, free the full buffer when done."""
         if not self.sync_gradients and self.accumulate == "local":
+            partials = self.partials_of(fp)
+            if partials is not None:  # reduction="tree": into the pairwise partial sums (core/tree.py)
+                partials.add(self.flat_grads[fp.index], reuse=False)
+                self.release_flat_grad(fp)
             return  # keep accumulating the full gradient; the last micro-step reduce-scatters it
         self.reduce_scatter_grad(fp)
         # The CPU waits here for the oldest buckets, which bounds the full-size gradient
@@ -173,8 +177,7 @@ class Zero2Engine(Checkpointing, Engine):
         Divided by N (and cast) exactly as stage 0 does, so the sums agree bit for bit; added to
         the grad shard when an earlier backward since zero_grad wrote it (as torch's .grad accumulates).
         """
-        reduction = self.reductions[fp.index] = GradReduction(self.comm, self.flat_grads[fp.index],
-                                                              self.policy.reduce_dtype, fp.label)
+        reduction = self.reductions[fp.index] = self.grad_reduction(fp, self.flat_grads[fp.index])
         reduction.reduce_scatter(self.grad_shards[fp.index], accumulate=self.grad_shard_written[fp.index])
         self.grad_shard_written[fp.index] = True
         if reduction.copied:  # the collective reads the reduce-dtype copy: the param-dtype bucket can go now
@@ -223,6 +226,7 @@ class Zero2Engine(Checkpointing, Engine):
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
         self.clip_coef = None
+        self.clear_partials()
         for fp in self.trainable:
             self.release_flat_grad(fp)  # a bucket kept by no_sync ("local") and never sent goes too
             self.grad_shards[fp.index].zero_()

@@ -234,6 +234,9 @@ class Zero3Engine(Checkpointing, Engine):
             self.reduce_scatter_grad(fp)
             # The CPU waits here for the older one: one reduce-scatter in flight beside the newest.
             self.in_flight.wait_until(1)
+        elif self.partials_of(fp) is not None:  # reduction="tree": into the pairwise partial sums (core/tree.py)
+            self.partials_of(fp).add(self.flat_grads[fp.index], reuse=False)
+            self.release_flat_grad(fp)
         self.unit_of[fp.index].grad_reduced()  # frees the unit if its backward is over
 
     # 3. finish backward ---------------------------------------------------------------
@@ -259,8 +262,7 @@ class Zero3Engine(Checkpointing, Engine):
         Divided by N (and cast) exactly as stage 0 does, so the sums agree bit for bit; added to
         the grad shard when an earlier backward since zero_grad wrote it (as torch's .grad accumulates).
         """
-        reduction = self.reductions[fp.index] = GradReduction(self.comm, self.flat_grads[fp.index],
-                                                              self.policy.reduce_dtype, fp.label)
+        reduction = self.reductions[fp.index] = self.grad_reduction(fp, self.flat_grads[fp.index])
         reduction.reduce_scatter(self.grad_shards[fp.index], accumulate=self.grad_shard_written[fp.index])
         self.grad_shard_written[fp.index] = True
         if reduction.copied:  # the collective reads the reduce-dtype copy: the param-dtype gradient can go now
@@ -287,6 +289,7 @@ class Zero3Engine(Checkpointing, Engine):
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
         self.clip_coef = None
+        self.clear_partials()
         for fp in self.trainable:
             self.release_flat_grad(fp)  # a gradient kept by no_sync and never sent goes too
             self.grad_shards[fp.index].zero_()
