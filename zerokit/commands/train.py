@@ -6,11 +6,17 @@ changes. Not under torchrun it spawns `--nproc` gloo ranks on this machine itsel
 `--save DIR` writes a sharded checkpoint after the last step (with the step count in its
 meta.json); `--resume DIR` loads one, at any stage, world size or precision, and continues
 from that step, so the data batches pick up where the saved run stopped.
+
+`--reduction tree` (core/tree.py) numbers the step's micro-batches globally, M = nproc ×
+accumulate of them, rank r taking r·accumulate ... (r+1)·accumulate - 1, so that runs with
+the same M at different --nproc train on the same data; they then print the same weights
+digest (`weights sha256`), bit for bit.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import time
@@ -32,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per rank per micro-step (>= 1)")
     p.add_argument("--accumulate", type=positive_int, default=1,
                    help="micro-steps per optimizer step (no_sync; >= 1)")
+    p.add_argument("--reduction", default="linear", choices=["linear", "tree"],
+                   help="tree: the same weights, bit for bit, at every --nproc with the same --nproc x --accumulate "
+                        "(both powers of two); see core/tree.py")
     p.add_argument("--lr", type=non_negative_float, default=3e-3)
     p.add_argument("--weight-decay", type=non_negative_float, default=0.1)
     p.add_argument("--clip", type=non_negative_float, default=1.0, help="global gradient-norm clip (0 = off)")
@@ -69,7 +78,7 @@ def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
     engine = zk.shard(model, torch.optim.AdamW, stage=cfg["stage"], precision=cfg["precision"],
                       reduce_dtype=cfg.get("reduce_dtype"), lr=cfg["lr"], weight_decay=cfg["weight_decay"],
                       bucket_numel=cfg["bucket_numel"], wrap=(Block,), prefetch=cfg["prefetch"],
-                      param_groups=no_decay)
+                      param_groups=no_decay, reduction=cfg.get("reduction", "linear"))
     first_step = 0
     if cfg.get("resume"):
         meta = engine.load(cfg["resume"])  # raises on every rank for a missing file or another model
@@ -90,7 +99,7 @@ def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
     tokens_per_step = cfg["batch_size"] * block * cfg["accumulate"] * world_size
     start = time.perf_counter()
     for step in range(first_step, cfg["steps"]):
-        micro_batches = [corpus.batch(cfg["batch_size"], block, step * cfg["accumulate"] + micro, rank, world_size)
+        micro_batches = [_micro_batch(corpus, cfg, block, step, micro, rank, world_size)
                          for micro in range(cfg["accumulate"])]
         result = train_step(engine, micro_batches, lambda batch: engine(*batch)[1],
                             clip=cfg["clip"] if cfg["clip"] > 0 else None)
@@ -107,13 +116,38 @@ def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
     if cfg.get("save"):  # a collective: every rank writes its own range
         engine.save(cfg["save"], extra={"step": cfg["steps"], "model": cfg["model"], "lora": cfg["lora"],
                                         "seed": cfg["seed"]})
+    digest = weights_digest(engine.state_dict(full=True))  # a collective at stages 1-3: every rank calls it
     return {
-        "rank": rank, "first_step": first_step, "losses": losses, "skipped_steps": skipped, "memory": engine.memory(),
+        "rank": rank, "first_step": first_step, "losses": losses, "weights_sha256": digest, "skipped_steps": skipped, "memory": engine.memory(),
         "tokens_per_s": tokens_per_step * len(losses) / elapsed, "seconds": elapsed,
         "comm_bytes": engine.comm_stats(), "loss_scale": engine.loss_scale,
         "num_params": sum(p.numel() for p in model.parameters()),
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
+
+
+def _micro_batch(corpus, cfg: dict, block: int, step: int, micro: int, rank: int, world_size: int):
+    """This rank's micro-batch `micro` of `step`.
+
+    linear: each micro-step draws one global batch of nproc × batch-size rows, split by rank.
+    tree: the step's M = nproc × accumulate micro-batches are numbered globally and rank r takes
+    the contiguous run r·accumulate ... — the leaves core/tree.py's binary tree expects, and
+    the same data for every split of M into ranks and micro-steps.
+    """
+    if cfg.get("reduction", "linear") == "tree":
+        k = cfg["accumulate"]
+        return corpus.batch(cfg["batch_size"], block, step * k * world_size + rank * k + micro)
+    return corpus.batch(cfg["batch_size"], block, step * cfg["accumulate"] + micro, rank, world_size)
+
+
+def weights_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over a state_dict's names, dtypes, shapes and bytes: equal digests are equal weights, bit for bit."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def check_arguments(cfg: dict) -> None:
@@ -127,6 +161,12 @@ def check_arguments(cfg: dict) -> None:
 
     if cfg["model"] not in PRESETS:
         raise ValueError(f"unknown --model {cfg['model']!r}; presets: {', '.join(PRESETS)}")
+    if cfg.get("reduction") == "tree":
+        nproc = int(os.environ.get("WORLD_SIZE", cfg["nproc"]))
+        for flag, value in (("--nproc (or torchrun's world size)", nproc), ("--accumulate", cfg["accumulate"])):
+            if value & (value - 1):
+                raise ValueError(f"--reduction tree needs {flag} to be a power of two (1, 2, 4, ...), got {value}: "
+                                 "the binary tree over micro-batches has no other shape")
     if cfg.get("resume"):
         resume = cfg["resume"]
         if not os.path.isdir(resume):
@@ -155,6 +195,8 @@ def _torchrun_entry(cfg: dict) -> list[dict] | None:
     import torch.distributed as dist
 
     import zerokit as zk
+    if cfg.get("reduction") == "tree":
+        torch.set_num_threads(1)  # see run()
     rank, world_size = zk.init_distributed(timeout_s=cfg.get("timeout", 600))
     try:
         summary = train_loop(rank, world_size, cfg)
@@ -179,6 +221,9 @@ def report(summaries: list[dict], cfg: dict) -> None:
           + (f"  (skipped steps: {first['skipped_steps']}, loss scale {first['loss_scale']:g})"
              if cfg["precision"] == "fp16" else ""))
     print(f"throughput: {first['tokens_per_s']:,.0f} tokens/s over {first['seconds']:.1f} s")
+    print(f"weights sha256: {first['weights_sha256']}"
+          + (f"  (reduction tree: the same at any --nproc with --nproc x --accumulate = "
+             f"{len(summaries) * cfg['accumulate']})" if cfg.get("reduction") == "tree" else ""))
     if cfg.get("resume"):
         print(f"resumed from {cfg['resume']} at step {first['first_step']}")
     if cfg.get("save"):
@@ -192,14 +237,23 @@ def report(summaries: list[dict], cfg: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = {k: v for k, v in vars(args).items() if k not in ("command", "verbose")}
     check_arguments(cfg)
+    # --reduction tree: a CPU matmul's bits can depend on its thread count (how it blocks its sums), so
+    # every rank computes with one thread at every --nproc; the tree then makes the reduction agree too.
+    threads = 1 if cfg.get("reduction") == "tree" else None
     if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
         summaries = _torchrun_entry(cfg)
     elif args.nproc > 1:
         from zerokit.launch import run_ranks
         # The run may take a day; each collective still fails after --timeout seconds.
-        summaries = run_ranks(train_loop, args.nproc, cfg, timeout_s=24 * 3600, collective_timeout_s=cfg["timeout"])
+        summaries = run_ranks(train_loop, args.nproc, cfg, timeout_s=24 * 3600, collective_timeout_s=cfg["timeout"],
+                              threads_per_rank=threads)
     else:
-        summaries = [train_loop(0, 1, cfg)]
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads or before)
+        try:
+            summaries = [train_loop(0, 1, cfg)]
+        finally:
+            torch.set_num_threads(before)
     if summaries is not None:
         report(summaries, cfg)
     return 0
