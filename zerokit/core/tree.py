@@ -87,14 +87,18 @@ class PartialSums:
     def add(self, grad: torch.Tensor, reuse: bool) -> None:
         """Add one micro-batch's gradient (padded_numel,). `reuse`: the caller zeroes and refills `grad`
         (stages 0-1), so it is copied if kept; otherwise (stages 2-3) it may be kept as it is."""
-        carry = self._push(grad)
+        carry = self._push(grad, own=not reuse)
         if carry is grad and reuse:
             carry = grad.clone()  # (padded_numel,) reduce dtype: a new partial
         self._store(carry)
 
     def total(self, grad: torch.Tensor) -> torch.Tensor:
-        """Add the last micro-batch's gradient; return this rank's sum over its k micro-batches."""
-        carry = self._push(grad)
+        """Add the last micro-batch's gradient; return this rank's sum over its k micro-batches.
+
+        The sum is formed in `grad` itself (when it is in the reduce dtype), so the stage reduces
+        its own gradient buffer as it does without the tree.
+        """
+        carry = self._push(grad, own=True)
         if not is_power_of_two(self.count) or any(t is not None for t in self.levels):
             count, self.levels, self.count = self.count, [], 0
             raise ValueError(
@@ -104,7 +108,8 @@ class PartialSums:
         self.sent, self.count = True, 0
         return carry
 
-    def _push(self, grad: torch.Tensor) -> torch.Tensor:
+    def _push(self, grad: torch.Tensor, own: bool) -> torch.Tensor:
+        """Carry one leaf up the counter. `own`: the sums may be formed in `grad` (a + b == b + a, bit for bit)."""
         if self.sent:
             raise RuntimeError(
                 f"reduction='tree': a backward after the step's synced backward, for {self.label}. A step is "
@@ -115,8 +120,11 @@ class PartialSums:
         level = 0
         while level < len(self.levels) and self.levels[level] is not None:
             partial = self.levels[level]
-            partial.add_(carry)  # the earlier run of 2^level leaves + the later one (a + b == b + a)
-            carry, self.levels[level] = partial, None
+            if own:
+                carry.add_(partial)  # the later run of 2^level leaves + the earlier one, in the carry's buffer
+            else:
+                carry = partial.add_(carry)  # the same sum (a + b == b + a), in the partial's buffer
+            self.levels[level] = None
             level += 1
         return carry
 
