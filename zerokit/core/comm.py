@@ -28,7 +28,10 @@ result for an element then depends only on its N contributions, so every stage a
 bit for bit whatever its layout. Gradients are pre-multiplied by 1/N before the sum, as
 torch's DDP does, which makes world size 2 bitwise equal to DDP (a + b == b + a).
 `ordered=None` picks ordered on gloo (CPU: exactness is the point there) and the native
-collective on NCCL (speed is the point there). With `tree=True` (`zk.shard(reduction="tree")`)
+collective on NCCL (speed is the point there). At N = 2 an ordered all-reduce is a native
+one: an element's sum is one addition, a + b == b + a, so any algorithm gives the same bits,
+in one collective instead of two (the reduce-scatter stays an all-to-all on gloo, whose own
+reduce-scatter is an all-reduce of the whole buffer inside: more bytes, measured slower). With `tree=True` (`zk.shard(reduction="tree")`)
 the local sum adds the N contributions pairwise, (r0 + r1) + (r2 + r3), the upper levels
 of the binary tree that makes the bits independent of N (core/tree.py [Note:
 world-size-independent bits]); it implies ordered, on NCCL too, and needs N a power of two.
@@ -224,7 +227,7 @@ class Comm:
         if not self.distributed:
             return _DONE
         with record_function("zerokit::all_reduce"), self.report_failure():
-            if op == "sum" and self.ordered:
+            if op == "sum" and self.ordered and self.world_size > 2:  # N = 2: one addition, any order
                 return self._ordered_all_reduce(tensor, async_op, rec)
             work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op)
             return Handle(work, comm=self) if async_op else _DONE
