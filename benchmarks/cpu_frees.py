@@ -58,7 +58,7 @@ def _allocation_events(prof) -> tuple[list[tuple], list[int]]:
         if type(node.extra_fields).__name__ == "_ExtraFields_Allocation":
             f = node.extra_fields
             ours = [name for name in stack if "zerokit/" in name or name.startswith("zerokit::")]
-            ops = [name for name in stack if not name.startswith("<built-in")]
+            ops = [name for name in stack if not name.startswith("<built-in") and ".py(" not in name]
             where = " / ".join(([ours[-1].split("zerokit/")[-1]] if ours else []) + ops[-2:])
             allocs.append((node.start_time_ns, f.ptr, f.alloc_size, f.total_allocated, where))
         elif node.name == MARK:
