@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import re
 import ctypes.util
 import sys
 import threading
@@ -47,6 +48,7 @@ from zerokit.models import Block, CharCorpus, build_model  # noqa: E402
 from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
 
 MIB = 1 << 20
+_PY_FRAME = re.compile(r"\(\d+\): ")  # "file.py(123): function": a Python frame, not an op
 MARK = "zerokit.cpu_frees.boundary"
 
 
@@ -58,7 +60,7 @@ def _allocation_events(prof) -> tuple[list[tuple], list[int]]:
         if type(node.extra_fields).__name__ == "_ExtraFields_Allocation":
             f = node.extra_fields
             ours = [name for name in stack if "zerokit/" in name or name.startswith("zerokit::")]
-            ops = [name for name in stack if not name.startswith("<built-in") and ".py(" not in name]
+            ops = [name for name in stack if not name.startswith("<built-in") and not _PY_FRAME.search(name)]
             where = " / ".join(([ours[-1].split("zerokit/")[-1]] if ours else []) + ops[-2:])
             allocs.append((node.start_time_ns, f.ptr, f.alloc_size, f.total_allocated, where))
         elif node.name == MARK:
