@@ -173,6 +173,7 @@ def test_total_and_as_dict_cover_every_category():
     (dict(precision="fp8"), "precision"), (dict(optimizer="lion"), "optimizer"),
     (dict(num_params=-5), "num_params"), (dict(num_params=1.5), "num_params"),
     (dict(trainable_params=2000), "trainable_params"),
+    (dict(shard_group_size=3), "shard_group_size"), (dict(shard_group_size=0), "shard_group_size"),
 ])
 def test_bad_input_raises_value_error_naming_the_argument(kwargs, name):
     """estimate rejects bad input with a ValueError whose message names the argument."""

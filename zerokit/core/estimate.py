@@ -37,6 +37,32 @@ What is not here. Activations are not model states and no ZeRO stage shards them
 batch size and sequence length; `activation_bytes_estimate` gives a rough figure for zerokit's GPT.
 Stage 3 also holds its working set, the unsharded units being computed and prefetched (see
 docs/design.md); communication buffers, the CUDA context and allocator fragmentation are not counted.
+
+[Note: hybrid sharding bytes]
+Hybrid sharding (`shard_group_size=S`, S dividing N) splits the N ranks two ways: ranks
+[kS, (k+1)S) form a shard group (typically one node), and ranks at the same position in their
+shard groups form a replicate group, R = N / S of them. Stages 1-3 shard over the shard group
+only, so a rank holds exactly what a rank of a world of S holds: the table above with N = S
+(`estimate(Ψ, N, k, shard_group_size=S) == estimate(Ψ, S, k)`). Stage 0 shards nothing and
+ignores S. Per optimizer step a rank sends (`comm_bytes_by_group`, ZeRO accounting):
+
+    within its shard group      what a flat run at N = S sends (`comm_bytes_per_step`;
+                                0 when S = 1, a group of one has nothing to exchange)
+    across its replicate group  an all-reduce of its (ceil(Ψ_t/S),) grad shard:
+                                2·ceil(Ψ_t/S)·g (0 when R = 1)
+
+Worked example: Ψ = 1.5e9, bf16 (p = g = 2), stage 3, N = 16 ranks on 2 nodes of 8; per rank
+per step:
+
+    flat, S = 16     9.0 GB, in collectives that span both nodes       states 16Ψ/16 = 1.5 GB
+    hybrid, S = 8    9.0 GB within the node + 0.75 GB across nodes     states 16Ψ/8  = 3.0 GB
+
+The hybrid rank puts 0.75 / 9.0 = 1/12 of flat stage 3's bytes on the links between nodes
+(2·ceil(Ψ/S)·g against 3Ψg: about 2/(3S) in general), for twice the model-state memory. How much
+of the flat run's 9.0 GB really crosses nodes depends on the collective's algorithm: in a ring
+laid out node by node every link, those between nodes included, carries (N - 1)/N of what each
+rank sends; hierarchical or tree algorithms send less over them. Counting all of it as crossing
+is therefore an upper bound, which `zerokit plan` states as "at most".
 """
 from __future__ import annotations
 
@@ -121,6 +147,28 @@ def _check_stage(stage: int) -> None:
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
 
 
+def check_shard_group_size(world_size: int, shard_group_size: int | None) -> int:
+    """S, the ranks one shard group spans: `shard_group_size`, or world_size when it is None (flat sharding).
+
+    Shard groups tile the world, so S must be an int >= 1 dividing world_size; anything else is a
+    ValueError naming both numbers and the divisors to choose from.
+    """
+    if shard_group_size is None:
+        return world_size
+    if isinstance(shard_group_size, bool) or not isinstance(shard_group_size, Integral) or shard_group_size < 1:
+        raise ValueError(f"shard_group_size must be an int >= 1 (or None: the world size), got {shard_group_size!r}")
+    if world_size % shard_group_size:
+        divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+        raise ValueError(f"shard_group_size={shard_group_size} does not divide world_size={world_size}: shard groups "
+                         f"tile the world, so pick a divisor of {world_size} ({divisors}), usually the GPUs per node")
+    return int(shard_group_size)
+
+
+def _check_world_size(world_size: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, Integral) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+
+
 def _shard_numel(numel: int, world_size: int) -> int:
     """Elements per rank of a buffer of `numel` padded to a multiple of world_size: ceil(numel / N)."""
     return -(-numel // world_size)  # integer ceil: exact for any size, unlike float division
@@ -128,7 +176,7 @@ def _shard_numel(numel: int, world_size: int) -> int:
 
 def estimate(num_params: int | float, world_size: int, stage: int, precision: str = "bf16",
              optimizer: str = "adam", trainable_params: int | float | None = None,
-             reduce_precision: str | None = None) -> MemoryEstimate:
+             reduce_precision: str | None = None, shard_group_size: int | None = None) -> MemoryEstimate:
     """Model-state bytes on one rank for ZeRO `stage` at `world_size` ranks, up to padding.
 
     num_params: Ψ, all parameters (trainable and frozen). trainable_params: Ψ_t, defaults to Ψ;
@@ -140,13 +188,18 @@ def estimate(num_params: int | float, world_size: int, stage: int, precision: st
     ceil(Ψ_t/N)·r shard of its own beside its full param-dtype gradient, stages 2 and 3 hold
     ceil(Ψ_t/N)·r instead of ·g. Stage 0's reduce-dtype buffers live only from backward to
     step: they are communication buffers, not counted here.
+
+    shard_group_size: S, the ranks stages 1-3 shard over (hybrid sharding; None: all world_size
+    ranks). It must divide world_size. A hybrid rank holds exactly what a rank of a world of S
+    holds, so every "N" above is S; stage 0 shards nothing and is unchanged ([Note: hybrid
+    sharding bytes]).
     """
     psi = _as_count(num_params, "num_params")
     psi_t = psi if trainable_params is None else _as_count(trainable_params, "trainable_params")
     if psi_t > psi:
         raise ValueError(f"trainable_params={psi_t} exceeds num_params={psi}")
-    if isinstance(world_size, bool) or not isinstance(world_size, Integral) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    _check_world_size(world_size)
+    shard_ranks = check_shard_group_size(world_size, shard_group_size)  # S: N when sharding is flat
     _check_stage(stage)
     per = bytes_per_param(precision, optimizer)
     psi_f = psi - psi_t
@@ -154,11 +207,12 @@ def estimate(num_params: int | float, world_size: int, stage: int, precision: st
     if reduce_precision not in PRECISIONS:
         raise ValueError(f"reduce_precision must be one of {PRECISIONS}, got {reduce_precision!r}")
 
-    # Element counts per rank, trainable part: full Ψ_t when replicated, ceil(Ψ_t / N) when sharded.
-    full_t, shard_t = psi_t, _shard_numel(psi_t, world_size)
+    # Element counts per rank, trainable part: full Ψ_t when replicated, ceil(Ψ_t / S) when sharded
+    # (S = N unless hybrid; stage 0 never reads S).
+    full_t, shard_t = psi_t, _shard_numel(psi_t, shard_ranks)
     states_numel = shard_t if stage >= 1 else full_t  # master + optimizer states go together at stage 1
     grads_numel = shard_t if stage >= 2 else full_t
-    params_numel = (shard_t + _shard_numel(psi_f, world_size)) if stage >= 3 else psi
+    params_numel = (shard_t + _shard_numel(psi_f, shard_ranks)) if stage >= 3 else psi
 
     grads = per.grads * grads_numel
     if reduce_precision != precision:
@@ -288,3 +342,39 @@ def comm_bytes_per_step(num_params: int, stage: int, param_bytes: int, grad_byte
     if stage in (1, 2):
         return psi_t * grad_bytes + psi_t * param_bytes
     return 2 * psi * param_bytes + psi_t * grad_bytes
+
+
+def comm_bytes_by_group(num_params: int, stage: int, param_bytes: int, grad_bytes: int, world_size: int,
+                        shard_group_size: int | None = None,
+                        trainable_params: int | None = None) -> dict[str, int]:
+    """Logical bytes one rank sends per optimizer step, by the group the collectives run in.
+
+    Returns {"shard_group": ..., "replicate_group": ...} in ZeRO accounting (core/comm.py [Note:
+    byte accounting]), up to padding; [Note: hybrid sharding bytes] derives them. With S =
+    shard_group_size (None: world_size, flat) and R = world_size / S:
+
+        stages 1-3   "shard_group"      comm_bytes_per_step(...): the flat formula, run within
+                                        the S ranks (0 when S = 1)
+                     "replicate_group"  2·ceil(Ψ_t/S)·g: the all-reduce of the grad shard across
+                                        the R replicate ranks (0 when R = 1)
+        stage 0      "shard_group"      2·Ψ_t·g, DDP's one all-reduce (0 when N = 1). DDP shards
+                                        nothing and ignores S, so this all-reduce spans all N
+                                        ranks, across nodes too; it is reported here, not split
+                     "replicate_group"  0
+
+    At S = N this is {"shard_group": comm_bytes_per_step(...), "replicate_group": 0} for N > 1.
+    """
+    psi = _as_count(num_params, "num_params")
+    psi_t = psi if trainable_params is None else _as_count(trainable_params, "trainable_params")
+    if psi_t > psi:
+        raise ValueError(f"trainable_params={psi_t} exceeds num_params={psi}")
+    _check_world_size(world_size)
+    shard_ranks = check_shard_group_size(world_size, shard_group_size)
+    _check_stage(stage)
+    if stage == 0:
+        world = comm_bytes_per_step(psi, 0, param_bytes, grad_bytes, trainable_params=psi_t) if world_size > 1 else 0
+        return {"shard_group": world, "replicate_group": 0}
+    replicas = world_size // shard_ranks  # R
+    within = comm_bytes_per_step(psi, stage, param_bytes, grad_bytes, trainable_params=psi_t) if shard_ranks > 1 else 0
+    across = 2 * _shard_numel(psi_t, shard_ranks) * grad_bytes if replicas > 1 else 0
+    return {"shard_group": within, "replicate_group": across}

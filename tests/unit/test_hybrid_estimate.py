@@ -1,0 +1,148 @@
+"""Hybrid sharding in the analytic formulas (core/estimate.py), `zerokit memory --shard-group-size` and
+`zerokit plan --nodes`.
+
+No process group. A hybrid rank (shard groups of S ranks, R = N / S replicas) holds what a rank of a
+world of S holds; the bytes it sends split into its shard group's and its replicate group's
+(core/estimate.py [Note: hybrid sharding bytes]).
+"""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import zerokit.core.estimate as estimate_module
+from zerokit.core.estimate import (
+    check_shard_group_size,
+    comm_bytes_by_group,
+    comm_bytes_per_step,
+    estimate,
+)
+
+fast = settings(max_examples=200, deadline=None)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@st.composite
+def hybrid_worlds(draw) -> tuple[int, int]:
+    """(N, S) with S dividing N: S ranks per shard group, N / S groups."""
+    shard_ranks = draw(st.integers(min_value=1, max_value=64))
+    replicas = draw(st.integers(min_value=1, max_value=64))
+    return shard_ranks * replicas, shard_ranks
+
+
+# ----------------------------------------------------------------------------- memory
+
+@fast
+@given(psi=st.integers(min_value=0, max_value=10**13), world=hybrid_worlds(),
+       precision=st.sampled_from(["fp32", "bf16", "fp16"]), optimizer=st.sampled_from(["adam", "sgd_momentum"]))
+def test_hybrid_rank_holds_what_a_rank_of_a_world_of_s_holds(psi, world, precision, optimizer):
+    """estimate(Ψ, N, k, shard_group_size=S) == estimate(Ψ, S, k) at stages 1-3; stage 0 is what it was at N."""
+    n, s = world
+    for stage in (1, 2, 3):
+        assert estimate(psi, n, stage, precision, optimizer, shard_group_size=s) == \
+            estimate(psi, s, stage, precision, optimizer), (stage, n, s)
+    assert estimate(psi, n, 0, precision, optimizer, shard_group_size=s) == estimate(psi, n, 0, precision, optimizer)
+
+
+def test_hybrid_stage_3_row_by_hand():
+    """Ψ = 1000 at N = 4, S = 2, bf16 + Adam, stage 3: each category holds ceil(1000/2) = 500 elements."""
+    est = estimate(1000, 4, 3, shard_group_size=2)
+    assert (est.params, est.grads, est.master_params, est.optimizer_states) == (2 * 500, 2 * 500, 4 * 500, 8 * 500)
+    flat = estimate(1000, 4, 3)
+    assert flat.total == 16 * 250 and est.total == 2 * flat.total  # half the group, twice the shard
+
+
+def test_hybrid_keeps_frozen_params_and_reduce_dtype_rules():
+    """With LoRA-style frozen params and an fp32 reduce dtype, hybrid still equals the flat run at N = S."""
+    for stage in range(1, 4):
+        kwargs = dict(trainable_params=300, reduce_precision="fp32")
+        assert estimate(1000, 8, stage, **kwargs, shard_group_size=4) == estimate(1000, 4, stage, **kwargs)
+
+
+def test_shard_group_size_none_or_n_is_flat():
+    """None and S = N both mean flat sharding over all N ranks."""
+    for stage in range(4):
+        assert estimate(7.5e9, 64, stage, shard_group_size=None) == estimate(7.5e9, 64, stage) == \
+            estimate(7.5e9, 64, stage, shard_group_size=64)
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    (3, "shard_group_size=3 does not divide world_size=8"),
+    (16, "shard_group_size=16 does not divide world_size=8"),
+    (0, "shard_group_size must be an int >= 1"),
+    (-2, "shard_group_size must be an int >= 1"),
+    (2.0, "shard_group_size must be an int >= 1"),
+    (True, "shard_group_size must be an int >= 1"),
+])
+def test_bad_shard_group_size_is_refused_naming_both_numbers_and_the_fix(bad, fragment):
+    """An S that is not an int >= 1 dividing N is a ValueError; a non-divisor's message lists the divisors of N."""
+    for call in (lambda: estimate(1000, 8, 2, shard_group_size=bad),
+                 lambda: comm_bytes_by_group(1000, 2, 2, 2, 8, shard_group_size=bad)):
+        with pytest.raises(ValueError) as info:
+            call()
+        assert fragment in str(info.value)
+        if "divide" in fragment:
+            assert "pick a divisor of 8 (1, 2, 4, 8)" in str(info.value)
+
+
+def test_check_shard_group_size_returns_s():
+    """check_shard_group_size: None -> N, a divisor -> itself."""
+    assert check_shard_group_size(16, None) == 16
+    assert check_shard_group_size(16, 8) == 8 and check_shard_group_size(16, 1) == 1
+
+
+# ----------------------------------------------------------------------------- bytes per step
+
+@pytest.mark.parametrize("g", [2, 4])
+def test_comm_by_group_small_case_by_hand(g):
+    """Ψ = 1000, N = 4, S = 2: stages 1-2 send 2Ψg within the pair, stage 3 3Ψg; all send 2·500·g across."""
+    by_stage = [comm_bytes_by_group(1000, stage, g, g, 4, 2) for stage in range(4)]
+    assert by_stage[0] == {"shard_group": 2 * 1000 * g, "replicate_group": 0}  # DDP: one world-wide all-reduce
+    assert by_stage[1] == by_stage[2] == {"shard_group": 2 * 1000 * g, "replicate_group": 2 * 500 * g}
+    assert by_stage[3] == {"shard_group": 3 * 1000 * g, "replicate_group": 2 * 500 * g}
+
+
+def test_comm_by_group_pads_the_grad_shard_and_counts_only_trainable():
+    """Ψ_t = 1001 trainable of 5000 at S = 4: the replicated shard is ceil(1001/4) = 251 elements."""
+    sent = comm_bytes_by_group(5000, 3, 2, 4, 8, 4, trainable_params=1001)
+    assert sent == {"shard_group": 2 * 5000 * 2 + 1001 * 4, "replicate_group": 2 * 251 * 4}
+    assert comm_bytes_by_group(5000, 0, 2, 4, 8, 4, trainable_params=1001) == \
+        {"shard_group": 2 * 1001 * 4, "replicate_group": 0}
+
+
+@fast
+@given(psi=st.integers(min_value=0, max_value=10**12), n=st.integers(min_value=2, max_value=4096),
+       stage=st.sampled_from([0, 1, 2, 3]), p=st.sampled_from([2, 4]), g=st.sampled_from([2, 4]))
+def test_comm_by_group_at_s_equal_n_is_the_flat_formula(psi, n, stage, p, g):
+    """At S = N (or None) nothing is replicated and the shard group sends comm_bytes_per_step."""
+    expected = {"shard_group": comm_bytes_per_step(psi, stage, p, g), "replicate_group": 0}
+    assert comm_bytes_by_group(psi, stage, p, g, n, n) == expected
+    assert comm_bytes_by_group(psi, stage, p, g, n) == expected
+
+
+def test_comm_by_group_in_groups_of_one_or_a_world_of_one():
+    """S = 1 shards nothing: nothing within, the whole gradient all-reduced across; N = 1 sends nothing."""
+    for stage in (1, 2, 3):
+        assert comm_bytes_by_group(1000, stage, 2, 2, 4, 1) == {"shard_group": 0, "replicate_group": 2 * 1000 * 2}
+    for stage in range(4):
+        assert comm_bytes_by_group(1000, stage, 2, 2, 1) == {"shard_group": 0, "replicate_group": 0}
+
+
+def test_worked_example_in_the_note_is_what_the_functions_give():
+    """[Note: hybrid sharding bytes]: Ψ = 1.5e9 bf16, N = 16, S = 8, stage 3; the numbers printed there are computed."""
+    psi = 1_500_000_000
+    flat = comm_bytes_by_group(psi, 3, 2, 2, 16)
+    hybrid = comm_bytes_by_group(psi, 3, 2, 2, 16, 8)
+    assert flat["replicate_group"] == 0 and hybrid["shard_group"] == flat["shard_group"]
+    flat_states, hybrid_states = estimate(psi, 16, 3).total, estimate(psi, 16, 3, shard_group_size=8).total
+    doc = " ".join(estimate_module.__doc__.split())
+    assert f"flat, S = 16 {flat['shard_group'] / 1e9:.1f} GB, in collectives that span both nodes" in doc
+    assert f"{hybrid['shard_group'] / 1e9:.1f} GB within the node + {hybrid['replicate_group'] / 1e9:.2f} GB " \
+           f"across nodes" in doc
+    assert f"16Ψ/16 = {flat_states / 1e9:.1f} GB" in doc and f"16Ψ/8 = {hybrid_states / 1e9:.1f} GB" in doc
+    # "1/12 of flat stage 3's bytes": 2·ceil(Ψ/S)·g / 3Ψg = 2/(3·8) exactly here (8 divides Ψ)
+    assert hybrid["replicate_group"] * 12 == flat["shard_group"] and "= 1/12 of flat stage 3's bytes" in doc
