@@ -28,6 +28,8 @@ Public API (stable names; the full contract is docs/design.md):
   zk.shard(..., debug=True)                ranks whose collectives diverge fail at once, naming what each
                                            was doing (also ZEROKIT_DEBUG=1); core/comm.py [Note: debug mode]
   zk.shard(..., reduction="tree")          bits independent of the world size (core/tree.py)
+  zk.shard(..., shard_group_size=S)        hybrid: shard within nodes of S ranks, replicate across them
+                                           (core/hybrid.py); zk.hybrid_groups(S) builds the groups once
   zk.estimate(num_params, world_size, stage, precision)   analytic bytes per rank
   zk.lora.inject(model, targets=("q", "v"), rank=8, alpha=1.0)
 """
@@ -44,9 +46,11 @@ from torch import nn
 
 from zerokit.core.comm import Comm, Simulated
 from zerokit.core.config import DEFAULT_BUCKET_NUMEL, ShardConfig, check_optimizer_kwargs
+from zerokit.core.hybrid import HybridComm, check_shard_group_size, hybrid_groups
 from zerokit.core.precision import LossScaler, make_policy
 
-__all__ = ["init_distributed", "shard", "estimate", "lora", "Comm", "Simulated", "STAGES"]
+__all__ = ["init_distributed", "shard", "hybrid_groups", "estimate", "lora", "Comm", "HybridComm", "Simulated",
+           "STAGES"]
 
 # stage -> "module:Class"; each stage file stands on its own.
 STAGES = {
@@ -94,7 +98,8 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
           wrap=None, prefetch: int = 1, reshard_after_forward: bool = True, group=None, param_groups=None,
           loss_scaler: dict | None = None, ordered_reduction: bool | None = None, comm: Comm | None = None,
           accumulate: str | None = None, max_in_flight: int = 2, cast_inputs: bool = True,
-          debug: bool | None = None, reduction: str = "linear", **optimizer_kwargs):
+          debug: bool | None = None, reduction: str = "linear", shard_group_size: int | None = None,
+          **optimizer_kwargs):
     """Wrap `model` for ZeRO stage `stage` (0 = DDP) and build its sharded optimizer.
 
     Every stage takes the same keywords (a stage ignores those it has no use for, such
@@ -129,6 +134,12 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     across ranks, an exact gradient norm — so a run's bits do not depend on the world size: one
     process with 4 micro-batches reproduces 4 ranks with 1 each (core/tree.py [Note:
     world-size-independent bits]). World size and micro-batches per rank must be powers of two.
+    `shard_group_size=S` (hybrid sharding, S dividing the world size N): stages 1-3 shard over
+    the S ranks of a node, [kS, (k+1)S), and replicate across nodes; gradients are reduce-scattered
+    in the node, then their shard is averaged across nodes, bitwise equal to stage 0 at N ranks
+    under the ordered reduction (core/hybrid.py [Note: hybrid sharding]). Stage 0 shards nothing
+    and ignores it. `group=(shard_group, replicate_group)` passes ready-made groups instead, such
+    as `zk.hybrid_groups(S)` builds once for several engines.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {sorted(STAGES)}, got {stage!r}")
@@ -145,12 +156,41 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
         raise ValueError(f"loss_scaler= is only used with precision='fp16', got precision={precision!r}")
     scaler = LossScaler(**(loss_scaler or {})) if policy.uses_loss_scaler else None
     if comm is None:
-        comm = Comm(group, ordered=ordered_reduction, debug=debug)
-    elif debug is not None:
-        comm.debug = bool(debug)
+        comm = _make_comm(stage, group, shard_group_size, ordered_reduction, debug)
+    else:
+        if shard_group_size is not None or isinstance(group, tuple):
+            raise ValueError("comm= replaces group= and shard_group_size=: pass a core.hybrid.HybridComm as comm, "
+                             "or drop comm=")
+        if debug is not None:
+            comm.debug = bool(debug)
     module_name, class_name = STAGES[stage].split(":")
     engine_cls = getattr(importlib.import_module(module_name), class_name)
     return engine_cls(model, optimizer_cls, optimizer_kwargs, comm=comm, policy=policy, scaler=scaler, config=config)
+
+
+def _make_comm(stage: int, group, shard_group_size: int | None, ordered: bool | None, debug: bool | None) -> Comm:
+    """One flat group, or a shard group and a replicate group (hybrid sharding, stages 1-3)."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if isinstance(group, tuple):
+        if len(group) != 2:
+            raise ValueError("group= as a tuple is (shard_group, replicate_group), as zk.hybrid_groups(S) returns")
+        groups = group
+        size = dist.get_world_size(groups[0]) if world > 1 else 1
+        if shard_group_size is not None and shard_group_size != size:
+            raise ValueError(f"shard_group_size={shard_group_size} but the shard group passed has {size} ranks")
+    elif shard_group_size is not None:
+        check_shard_group_size(shard_group_size, world)
+        if group is not None:
+            raise ValueError("group= and shard_group_size= together: pass group=zk.hybrid_groups(S) (both groups), "
+                             "or shard_group_size=S alone (over the default group)")
+        groups = None if shard_group_size == world else "build"
+    else:
+        return Comm(group, ordered=ordered, debug=debug)
+    if stage == 0 or groups is None:  # stage 0 shards nothing: one group of every rank
+        return Comm(None, ordered=ordered, debug=debug)
+    if groups == "build":
+        groups = hybrid_groups(shard_group_size)
+    return HybridComm(*groups, ordered=ordered, debug=debug)
 
 
 # zk.shard's own keywords, for the unknown-option error (check_optimizer_kwargs)

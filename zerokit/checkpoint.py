@@ -19,6 +19,12 @@ one committed snapshot and the pointer that names it:
                                     range [r * shard_numel, (r + 1) * shard_numel) of the fp32
                                     master and of each per-element optimizer state
 
+Under hybrid sharding (core/hybrid.py) N is the shard group size S ("world_size" in meta.json;
+"data_parallel_size" is every rank): the R shard groups hold equal shards, so only the first
+(replica 0) writes rank files, rank 0 of the world writes the rest, and every rank of the world
+takes part in the agreements below. Nothing else differs: a reader finds pieces by name and
+range, whatever S, N and stage wrote them or read them.
+
 [Note: checksums]
 Every byte of a checkpoint is checked before a load changes anything: meta.json records the
 size and sha256 of each safetensors file, current.json records meta.json's, and every field of
@@ -200,7 +206,7 @@ def save(engine, directory: str | os.PathLike, extra: dict | None = None) -> Non
 
     # 2. create: one rank makes the snapshot directory, so a rank that cannot see it is on another filesystem.
     problems: list[str] = []
-    if engine.rank == 0:
+    if engine.comm.world_rank == 0:
         try:
             os.makedirs(snapshot_path)  # the name is fresh: an existing one would be a bug
         except Exception as exc:
@@ -212,12 +218,13 @@ def save(engine, directory: str | os.PathLike, extra: dict | None = None) -> Non
     kinds: dict[str, str] = {}
     try:
         if not os.path.isdir(snapshot_path):
-            raise OSError(f"{snapshot_path}, just created by rank 0, does not exist on rank {engine.rank}: "
+            raise OSError(f"{snapshot_path}, just created by rank 0, does not exist on rank {engine.comm.world_rank}: "
                           "the checkpoint directory must be on a filesystem every rank shares")
         kinds = _state_kinds(engine)
-        name = rank_file(engine.rank, engine.world_size)
-        records[name] = _write_rank_file(engine, snapshot_path, kinds, _aliases(engine.module))
-        if engine.rank == 0:
+        if engine.comm.replica_rank == 0:  # hybrid sharding: one copy of the shards is written (core/hybrid.py)
+            name = rank_file(engine.rank, engine.world_size)
+            records[name] = _write_rank_file(engine, snapshot_path, kinds, _aliases(engine.module))
+        if engine.comm.world_rank == 0:
             records[MODEL_FILE] = _write_model_file(engine, snapshot_path, full)
     except Exception as exc:  # reported to every rank below, never left for a peer to hang on
         problems.append(f"{type(exc).__name__}: {exc}")
@@ -225,12 +232,12 @@ def save(engine, directory: str | os.PathLike, extra: dict | None = None) -> Non
                                              phase="checkpoint")
     errors = [f"rank {r}: {msg}" for r, (theirs, _) in enumerate(everyone) for msg in theirs]
     if errors:
-        if engine.rank == 0:  # every rank has stopped writing: the half-written snapshot can go
+        if engine.comm.world_rank == 0:  # every rank has stopped writing: the half-written snapshot can go
             shutil.rmtree(snapshot_path, ignore_errors=True)
         _raise(engine, what, errors)
 
     # 4. commit: rank 0 alone, after every rank's files are on disk.
-    if engine.rank == 0:
+    if engine.comm.world_rank == 0:
         committed = False
         try:
             files = {name: record for _, theirs in everyone for name, record in theirs.items()}
@@ -253,7 +260,7 @@ def _agree_on_directory(engine, directory) -> str:
         mine = os.path.realpath(os.fspath(directory))
     except Exception as exc:  # not a path: still take part in the gather, then fail with everyone
         mine = exc
-    snapshot = _new_snapshot_name() if engine.rank == 0 else None
+    snapshot = _new_snapshot_name() if engine.comm.world_rank == 0 else None
     everyone = engine.comm.all_gather_object((mine, snapshot), label="checkpoint save: the directory",
                                              phase="checkpoint")
     bad = [f"rank {r}: {type(p).__name__}: {p}" for r, (p, _) in enumerate(everyone) if isinstance(p, Exception)]
@@ -266,7 +273,7 @@ def _agree_on_directory(engine, directory) -> str:
         listing = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {path}"
                             for path, rs in ranks_of.items())
         raise ValueError(f"zerokit: cannot save checkpoint: the ranks passed different directories ({listing}) "
-                         f"(raised on rank {engine.rank}, nothing written); every rank must pass the same "
+                         f"(raised on rank {engine.comm.world_rank}, nothing written); every rank must pass the same "
                          "directory, on a filesystem every rank shares")
     return everyone[0][1]
 
@@ -276,7 +283,7 @@ def _new_snapshot_name() -> str:
 
 
 def _raise(engine, what: str, errors: list[str]) -> None:
-    raise ValueError(f"zerokit: {what} (raised on rank {engine.rank}):\n  " + "\n  ".join(errors))
+    raise ValueError(f"zerokit: {what} (raised on rank {engine.comm.world_rank}):\n  " + "\n  ".join(errors))
 
 
 def _raise_if_any(engine, problems: list[str], what: str) -> None:
@@ -433,6 +440,7 @@ def _meta(engine, kinds: dict[str, str], extra: dict | None, files: dict[str, di
     return {
         "format": FORMAT, "version": VERSION,
         "world_size": engine.world_size, "stage": engine.stage, "precision": engine.policy.name,
+        "data_parallel_size": engine.comm.data_parallel_size,
         "optimizer": {"class": optimizer.name, "param_groups": groups, "state": kinds,
                       "step": step},
         "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,

@@ -151,6 +151,10 @@ class Comm:
                 raise ValueError("group= was given but torch.distributed is not initialised")
             self.group, self.rank, self.world_size, self.backend = None, 0, 1, "none"
         self.ordered = (self.backend != "nccl") if ordered is None else bool(ordered)
+        # Hybrid sharding (core/hybrid.py) tells these apart; in one flat group they are the group's own:
+        self.data_parallel_size = self.world_size  # N: ranks whose gradients are averaged (the 1/N)
+        self.world_rank = self.rank  # rank among every rank (checkpoints: who writes the shared files)
+        self.replica_rank = 0  # which copy of the sharded state this rank holds (0: the one checkpoints write)
         self.tree = False
         if tree:
             self.use_tree()
@@ -192,6 +196,12 @@ class Comm:
     def stats(self) -> dict[str, int]:
         """Cumulative logical bytes per kind (ZeRO accounting), every kind present."""
         return {kind: int(self.bytes[kind]) for kind in KINDS}
+
+    def stats_by_group(self) -> dict[str, dict[str, int]]:
+        """Bytes per kind within shard groups, across replicate groups (hybrid sharding, core/hybrid.py),
+        and over the whole world; one flat group is the shard group, and nothing crosses."""
+        zeros = {kind: 0 for kind in KINDS}
+        return {"shard_group": self.stats(), "replicate_group": zeros, "world": dict(zeros)}
 
     def stats_by_phase(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}

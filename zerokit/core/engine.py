@@ -72,7 +72,7 @@ class Engine:
         that every fp16 leaf of the tree holds the same bits at every world size (core/tree.py).
         """
         if self.scaler is not None:
-            loss = loss * (self.scaler.scale / self.world_size if self._divide_in_loss else self.scaler.scale)
+            loss = loss * (self.scaler.scale / self.comm.data_parallel_size if self._divide_in_loss else self.scaler.scale)
         loss.backward()
 
     @contextlib.contextmanager
@@ -153,9 +153,15 @@ class Engine:
         return coef
 
     # -- ledgers -------------------------------------------------------------------
-    def comm_stats(self) -> dict[str, int]:
-        """Cumulative logical bytes per collective kind (ZeRO-paper accounting, see core/comm.py)."""
-        return self.comm.stats()
+    def comm_stats(self, by_group: bool = False) -> dict:
+        """Cumulative logical bytes per collective kind (ZeRO-paper accounting, see core/comm.py).
+
+        `by_group=True`: {"shard_group": ..., "replicate_group": ..., "world": ...}, each per kind:
+        within this rank's shard group (a node), across its replicate group (between nodes) and over
+        every rank (the initial broadcast) under hybrid sharding (core/hybrid.py); a flat group counts
+        everything as its shard group's.
+        """
+        return self.comm.stats_by_group() if by_group else self.comm.stats()
 
     def memory(self) -> dict[str, int]:
         """This rank's live bytes by category, each storage counted once.

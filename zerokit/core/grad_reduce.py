@@ -71,7 +71,7 @@ class GradReduction:
         self.comm = comm
         self.label = label
         local = partials.total(grad) if partials is not None else grad  # this rank's sum over its micro-batches
-        self.send = _send_buffer(local, comm.world_size if divide else 1, reduce_dtype)  # what the collective reads
+        self.send = _send_buffer(local, comm.data_parallel_size if divide else 1, reduce_dtype)  # what the collective reads
         self.copied = self.send is not grad  # True: a reduce-dtype copy; the param-dtype buffer may go
         self.transient: list[torch.Tensor] = [self.send] if self.copied else []  # comm_buffers in the ledger
         self.result: torch.Tensor | None = None  # where the average is once wait() returns

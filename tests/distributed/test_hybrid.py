@@ -1,0 +1,161 @@
+"""Hybrid sharding (core/hybrid.py): 4 ranks as two "nodes" of 2, stages 1-3 sharded inside each node.
+
+One 4-rank spawn builds the groups once (`zk.hybrid_groups(2)`) and runs every case:
+- stages 1-3 with `shard_group_size=2` bitwise equal to stage 0 at 4 ranks, 10 steps of AdamW
+  (weight decay) with an active clip, fp32 and bf16, on the odd model (tied, frozen, odd sizes);
+- a hybrid rank's memory equal to a flat engine's on a world of 2 (the same shard group used as
+  a plain group: the formulas with N = 2), and its bytes per step: within the node as that flat
+  engine's, across nodes one all-reduce of each grad shard (2 x shard bytes, ZeRO accounting);
+- reduction="tree" (pairwise per node, then across) equal to stage 0 under the tree; the native
+  recipe (ordered_reduction=False) close to it; S = 1 (sharded over one rank, replicated 4 times);
+- a checkpoint saved at (4 ranks, S = 2, stage 3) loaded at (4, S = 4, stage 2) here and at
+  (2, S = 2, stage 1) in a second spawn, both continuing within 1e-5 of the uninterrupted run.
+"""
+import pytest
+import torch
+
+import zerokit as zk
+from tests.common import OddBlock, odd_batch, odd_model, train_zerokit
+from zerokit.launch import run_ranks
+
+STEPS, BATCH, CLIP = 10, 2, 0.05  # the odd model's gradient norm is ~1: the clip is active at every step
+OPT = dict(lr=3e-3, weight_decay=0.1)
+
+
+def _grad_bytes(engine) -> int:
+    """Bytes of one trainable buffer's grad shard, summed: what one step sends across nodes, halved."""
+    size = torch.empty((), dtype=engine.policy.reduce_dtype).element_size()
+    return sum(fp.shard_numel * size for fp in engine.trainable)
+
+
+def _step_bytes(engine, batch_rows):
+    """comm_stats(by_group=True) of one more training step."""
+    before = engine.comm_stats(by_group=True)
+    train_more(engine, batch_rows, 1, first_step=STEPS)
+    after = engine.comm_stats(by_group=True)
+    return {g: {k: after[g][k] - before[g][k] for k in after[g]} for g in after}
+
+
+def train_more(engine, rows, steps, first_step, rank=None, world_size=None):
+    """`steps` more steps from global step `first_step` (batch: `rows` per rank of the same global batch)."""
+    import torch.distributed as dist
+    rank = dist.get_rank() if rank is None else rank
+    world_size = dist.get_world_size() if world_size is None else world_size
+    for step in range(first_step, first_step + steps):
+        engine.zero_grad()
+        engine.backward(engine(*odd_batch(step, rows, rank, world_size)))
+        engine.clip_grad_norm_(CLIP)
+        engine.step()
+
+
+def _four_ranks(rank, world_size, ckpt_dir):
+    groups = zk.hybrid_groups(2)
+    out = {"rank": rank}
+    for precision in ("fp32", "bf16"):
+        for stage in (0, 1, 2, 3):
+            losses, state, engine = train_zerokit(rank, world_size, stage, torch.optim.AdamW, OPT, STEPS, BATCH,
+                                                  clip=CLIP, precision=precision, group=groups, bucket_numel=200)
+            out[("state", precision, stage)] = state
+            out[("losses", precision, stage)] = losses
+            if stage > 0 and precision == "bf16":
+                flat = zk.shard(odd_model(), torch.optim.AdamW, stage=stage, precision=precision, group=groups[0],
+                                wrap=(OddBlock,), bucket_numel=200, **OPT)  # a plain world of the node's 2 ranks
+                train_more(flat, BATCH, 1, 0, rank % 2, 2)
+                out[("memory", stage)] = (engine.memory(), flat.memory())
+                out[("bytes", stage)] = (_step_bytes(engine, BATCH), _step_bytes(flat, BATCH), _grad_bytes(engine))
+            del engine
+    # reduction="tree": stage 0 vs hybrid stage 3; the native recipe; one rank per shard group
+    for name, stage, kwargs in [("tree", 0, dict(reduction="tree")), ("tree", 3, dict(reduction="tree", group=groups)),
+                                ("native", 3, dict(ordered_reduction=False, group=groups)),
+                                ("s1", 2, dict(shard_group_size=1))]:
+        _, state, _ = train_zerokit(rank, world_size, stage, torch.optim.AdamW, OPT, 3, BATCH, clip=CLIP, **kwargs)
+        out[(name, stage)] = state
+    _, out[("short", 0)], _ = train_zerokit(rank, world_size, 0, torch.optim.AdamW, OPT, 3, BATCH, clip=CLIP)
+
+    # checkpoint: save after 5 steps at (4, S=2, stage 3), the uninterrupted run goes on to 10
+    _, _, engine = train_zerokit(rank, world_size, 3, torch.optim.AdamW, OPT, 5, BATCH, clip=CLIP, group=groups)
+    engine.save(ckpt_dir)
+    train_more(engine, BATCH, 5, 5)
+    out["uninterrupted"] = engine.state_dict(full=True)
+    resumed = zk.shard(odd_model(seed=1), torch.optim.AdamW, stage=2, shard_group_size=4, **OPT)
+    resumed.load(ckpt_dir)
+    train_more(resumed, BATCH, 5, 5)
+    out["resumed S=4 stage 2"] = resumed.state_dict(full=True)
+    return out
+
+
+def _two_ranks(rank, world_size, ckpt_dir):
+    engine = zk.shard(odd_model(seed=2), torch.optim.AdamW, stage=1, shard_group_size=2, **OPT)
+    engine.load(ckpt_dir)
+    train_more(engine, 2 * BATCH, 5, 5)  # the same global batch: 2 ranks x 4 rows = 4 ranks x 2 rows
+    return engine.state_dict(full=True)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("hybrid_ckpt"))
+    four = run_ranks(_four_ranks, 4, ckpt, timeout_s=400)
+    two = run_ranks(_two_ranks, 2, ckpt, timeout_s=120)
+    return four, two
+
+
+def _assert_equal(a: dict, b: dict, what: str):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{what}: {k} differs (max |diff| {(a[k].float() - b[k].float()).abs().max()})"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hybrid_stages_bitwise_equal_to_stage0(runs, precision, stage):
+    four, _ = runs
+    for out in four:
+        assert torch.equal(out[("losses", precision, stage)], out[("losses", precision, 0)])
+        _assert_equal(out[("state", precision, stage)], out[("state", precision, 0)],
+                      f"rank {out['rank']} {precision} stage {stage} (S=2) vs stage 0")
+    # every rank holds the same model: replicas agree, and so do the two shard groups
+    for out in four[1:]:
+        _assert_equal(out[("state", precision, stage)], four[0][("state", precision, stage)], "rank vs rank 0")
+
+
+def test_hybrid_steps_really_move_the_weights(runs):
+    """A control: ten steps change every trainable weight, so equality above compares trained models."""
+    out = runs[0][0]
+    start = odd_model().state_dict()
+    trained = out[("state", "fp32", 3)]
+    assert not torch.equal(trained["blocks.0.fc1.weight"], start["blocks.0.fc1.weight"])
+    assert torch.equal(trained["blocks.0.frozen.weight"], start["blocks.0.frozen.weight"])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hybrid_memory_is_a_world_of_the_shard_group(runs, stage):
+    for out in runs[0]:
+        hybrid, flat = out[("memory", stage)]
+        assert hybrid == flat, (hybrid, flat)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hybrid_bytes_per_step(runs, stage):
+    for out in runs[0]:
+        hybrid, flat, grad_shard_bytes = out[("bytes", stage)]
+        assert hybrid["shard_group"] == flat["shard_group"]  # inside the node: a flat world of 2
+        assert hybrid["replicate_group"] == {"all_reduce": 2 * grad_shard_bytes, "reduce_scatter": 0,
+                                             "all_gather": 0, "broadcast": 0}
+        assert flat["replicate_group"]["all_reduce"] == 0
+        assert sum(hybrid["world"].values()) == 0  # nothing else crosses: the world only at init
+
+
+def test_hybrid_tree_native_and_one_rank_per_node(runs):
+    for out in runs[0]:
+        _assert_equal(out[("tree", 3)], out[("tree", 0)], f"rank {out['rank']} tree: hybrid stage 3 vs stage 0")
+        _assert_equal(out[("s1", 2)], out[("short", 0)], f"rank {out['rank']} S=1 stage 2 vs stage 0")
+        for k, v in out[("native", 3)].items():
+            torch.testing.assert_close(v, out[("short", 0)][k], rtol=1e-5, atol=1e-6)
+
+
+def test_hybrid_checkpoint_loads_across_world_size_shard_group_and_stage(runs):
+    four, two = runs
+    reference = four[0]["uninterrupted"]
+    for name, state in [("4 ranks, S=4, stage 2", four[0]["resumed S=4 stage 2"]), ("2 ranks, S=2, stage 1", two[0])]:
+        for k, v in reference.items():
+            torch.testing.assert_close(state[k], v, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {k}: {m}")

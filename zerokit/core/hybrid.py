@@ -1,0 +1,219 @@
+"""Hybrid sharding: shard inside a node, replicate across nodes (`zk.shard(..., shard_group_size=S)`).
+
+[Note: hybrid sharding]
+N ranks in R = N / S nodes of S. Ranks [kS, (k+1)S) form shard group k (a node); ranks with the
+same position p in their shard groups form replicate group p. For N = 4, S = 2:
+
+    shard groups      {0, 1}  {2, 3}        parameters, gradients and optimizer states are
+    replicate groups  {0, 2}  {1, 3}        sharded over S ranks and replicated R times
+
+Stages 1-3 see only the shard group: `comm.rank` / `comm.world_size` are the position in it and
+S, so flat buffers are padded to a multiple of S and a rank holds exactly what a rank of a
+world of S holds (the memory formulas with N = S). Stage 3 all-gathers parameters inside the
+node; nothing but gradients crosses nodes:
+
+    1. inside the node: reduce-scatter the bucket        (Ψ·g per rank, ZeRO accounting)
+    2. across nodes: all-reduce the (Ψ/S,) grad shard    (2·Ψ/S·g per rank: S times less than
+                                                          a flat stage 3, which all-gathers Ψ·p
+                                                          twice and reduce-scatters Ψ·g over them)
+
+Every rank of a replicate group then holds the same averaged shard, takes the same optimizer
+step and stays a replica. The gradient is pre-divided by N (not S): the average is over every
+rank's batch, as at stage 0 at world size N.
+
+Bit for bit equal to stage 0 at the same N. Stage 0's ordered sum adds an element's N
+contributions in global rank order, ((g0 + g1) + g2) + g3 (core/comm.py [Note: ordered
+reduction]); step 2 as an all-reduce of per-node sums would compute (g0 + g1) + (g2 + g3),
+different bits. So the ordered recipe keeps the node's raw contributions apart and chains the
+nodes: step 1 is an all-to-all (rank p of node k receives its node's S rows of range p), and
+along replicate group p node 0 adds its S rows in order and sends the running sum to node 1,
+which adds its own S rows in order and passes it on; the last node broadcasts the total to its
+replicate group. Each link carries one (Ψ/S,) shard and the broadcast one more: the bytes of a
+ring all-reduce of the shard, with R - 1 hops of latency. Under `reduction="tree"` the order is
+(g0 + g1) + (g2 + g3) at every world size (core/tree.py), which is exactly per-node subtrees
+joined pairwise: node k sums its S rows pairwise, the R node sums are all-gathered across the
+replicate group and summed pairwise (S and R powers of two). With `ordered_reduction=False`
+(NCCL's default) both steps are the native collectives: fast, not bitwise equal to stage 0.
+
+What runs where: reduce-scatter and all-gather (the sharded traffic) and the small scalar
+reductions (norm partials, the fp16 overflow flag: replicas hold equal shards, so the shard
+group's sum is the world's) run in the shard group; the model check, the initial broadcast of
+rank 0's weights and checkpoints' agreements run over the whole world (`Hybrid.world`).
+Byte counters are kept per group: `stats_by_group()`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from zerokit.core.comm import Comm, Handle, _nbytes, _shares_storage
+from zerokit.core.tree import is_power_of_two, pairwise_sum_
+
+__all__ = ["HybridComm", "hybrid_groups", "check_shard_group_size"]
+
+
+def check_shard_group_size(shard_group_size, world_size: int) -> int:
+    """S as an int dividing the world size N, or a ValueError naming the fix."""
+    if isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int) or shard_group_size < 1:
+        raise ValueError(f"shard_group_size must be an int >= 1 (the ranks per node), got {shard_group_size!r}")
+    if world_size % shard_group_size:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(f"shard_group_size={shard_group_size} does not divide the world size {world_size}: every "
+                         f"node must hold the same number of ranks; use one of {divisors}")
+    return shard_group_size
+
+
+def hybrid_groups(shard_group_size: int, backend: str | None = None):
+    """(shard group, replicate group) of this rank, for ranks [kS, (k+1)S) per node. A collective:
+    every rank calls it, and builds every group (torch.distributed.new_group's rule).
+
+    Build them once and pass them to every `zk.shard(..., group=groups)` that uses them: each call
+    builds R + S process groups (gloo: new connections between their ranks).
+    """
+    n, rank = dist.get_world_size(), dist.get_rank()
+    s = check_shard_group_size(shard_group_size, n)
+    mine = [None, None]
+    for k in range(n // s):  # shard groups: one node each
+        ranks = list(range(k * s, (k + 1) * s))
+        group = dist.new_group(ranks, backend=backend)
+        if rank in ranks:
+            mine[0] = group
+    for p in range(s):  # replicate groups: position p of every node
+        ranks = list(range(p, n, s))
+        group = dist.new_group(ranks, backend=backend)
+        if rank in ranks:
+            mine[1] = group
+    return tuple(mine)
+
+
+class HybridComm(Comm):
+    """A rank of a shard group (what stages see: `rank`, `world_size` = S), replicated across nodes."""
+
+    def __init__(self, shard_group, replicate_group, ordered: bool | None = None, debug: bool | None = None,
+                 tree: bool = False):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("hybrid sharding needs an initialised process group (torchrun, zk.init_distributed)")
+        super().__init__(shard_group, ordered=ordered, debug=debug)
+        self.replicate = Comm(replicate_group, ordered=self.ordered, debug=self.debug)  # rank: which node
+        self.world = Comm(None, ordered=self.ordered, debug=self.debug)  # every rank: init, checkpoints
+        s, r, n = self.world_size, self.replicate.world_size, self.world.world_size
+        if s * r != n:
+            raise ValueError(f"the shard group ({s} ranks) times the replicate group ({r} ranks) must be the world "
+                             f"({n} ranks): pass (shard_group, replicate_group) as zk.hybrid_groups builds them")
+        self.data_parallel_size = n
+        self.world_rank = self.world.rank
+        self.replica_rank = self.replicate.rank
+        # The chain's neighbours along the replicate group, as global ranks (send/recv/broadcast take those).
+        self._replica_global = [dist.get_global_rank(replicate_group, i) for i in range(r)]  # node k -> its rank
+        if tree:
+            self.use_tree()
+
+    def use_tree(self) -> None:
+        s, r = self.world_size, self.replicate.world_size
+        if not (is_power_of_two(s) and is_power_of_two(r)):
+            raise ValueError(f"reduction='tree' with hybrid sharding needs the shard group size ({s}) and the number "
+                             f"of shard groups ({r}) to be powers of two: the binary tree over ranks has no other "
+                             "shape")
+        self.tree, self.ordered = True, True
+        self.replicate.tree = self.replicate.ordered = True
+
+    # ------------------------------------------------------------------ bookkeeping
+    def stats(self) -> dict[str, int]:
+        """Bytes per kind over every group (the node's, across nodes, and the world's one-time init broadcast)."""
+        groups = self.stats_by_group()
+        return {kind: sum(g[kind] for g in groups.values()) for kind in groups["shard_group"]}
+
+    def stats_by_group(self) -> dict[str, dict[str, int]]:
+        return {"shard_group": Comm.stats(self), "replicate_group": self.replicate.stats(),
+                "world": self.world.stats()}
+
+    def reset_stats(self) -> None:
+        Comm.reset_stats(self)
+        self.replicate.reset_stats()
+        self.world.reset_stats()
+
+    # ------------------------------------------------------------------ what runs over the whole world
+    def all_reduce(self, tensor, op="sum", async_op=False, phase=None, label=None) -> Handle:
+        return self.world.all_reduce(tensor, op=op, async_op=async_op, phase=phase, label=label)
+
+    def broadcast(self, tensor, src=0, phase=None, label=None) -> None:
+        self.world.broadcast(tensor, src=src, phase=phase, label=label)
+
+    def all_gather_object(self, obj, label=None, phase=None) -> list:
+        return self.world.all_gather_object(obj, label=label, phase=phase)
+
+    def barrier(self, label=None) -> None:
+        self.world.barrier(label=label)
+
+    # ------------------------------------------------------------------ the gradient: node, then across nodes
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                       phase: str | None = None, label: str | None = None) -> Handle:
+        """Sum `input` (padded_numel,) over all N ranks; my range of the shard group lands in `output`
+        (padded_numel // S,). See [Note: hybrid sharding] for the three recipes."""
+        s = self.world_size
+        assert input.numel() == output.numel() * s, (input.numel(), output.numel(), s)
+        self._record("reduce_scatter", input, label, phase)
+        self._count("reduce_scatter", _nbytes(input), input.numel(), phase)
+        across = f"{label} across shard groups"
+        self.replicate._record("all_reduce", output, across, phase)
+        self.replicate._count("all_reduce", 2 * _nbytes(output), output.numel(), phase)
+        with record_function("zerokit::reduce_scatter"), self.report_failure():
+            if not self.ordered:  # native: reduce-scatter in the node, all-reduce of the shard across nodes
+                work = None
+                if s == 1:
+                    output.copy_(input)
+                elif _shares_storage(output, input):
+                    result = torch.empty_like(output)
+                    dist.reduce_scatter_single(result, input, group=self.group)
+                    output.copy_(result)
+                else:
+                    work = dist.reduce_scatter_single(output, input, group=self.group, async_op=True)
+                handle = Handle(work, lambda: dist.all_reduce(output, group=self.replicate.group), comm=self)
+            else:
+                rows, work = self._node_rows(input)
+                finish = (lambda: self._tree_across(output, rows)) if self.tree else \
+                    (lambda: self._chain_across(output, rows))
+                handle = Handle(work, finish, comm=self)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def _node_rows(self, input: torch.Tensor):
+        """(S, shard) rows: row i = shard-group rank i's contribution to my range (an all-to-all in the node)."""
+        s = self.world_size
+        received = torch.empty(input.numel(), dtype=input.dtype, device=input.device)  # (S * shard,)
+        if s == 1:
+            received.copy_(input)  # a copy: the output may be the input itself
+            return received.view(1, -1), None
+        work = dist.all_to_all_single(received, input, group=self.group, async_op=True)
+        return received.view(s, -1), work
+
+    def _chain_across(self, output: torch.Tensor, rows: torch.Tensor) -> None:
+        """Linear order over all N ranks: node k adds its rows to node k - 1's running sum, then the last
+        node broadcasts the total along the replicate group ([Note: hybrid sharding])."""
+        k, r = self.replicate.rank, self.replicate.world_size
+        group, peers = self.replicate.group, self._replica_global
+        if k == 0:
+            output.copy_(rows[0])
+            first = 1
+        else:
+            dist.recv(output, src=peers[k - 1], group=group)  # g_0 + ... + g_(kS - 1), pre-divided
+            first = 0
+        for i in range(first, rows.shape[0]):  # global rank order, as stage 0's ordered sum
+            output.add_(rows[i])
+        if k < r - 1:
+            dist.send(output, dst=peers[k + 1], group=group)
+        if r > 1:
+            dist.broadcast(output, src=peers[r - 1], group=group)
+
+    def _tree_across(self, output: torch.Tensor, rows: torch.Tensor) -> None:
+        """Pairwise: the node's S rows, then the R node sums (all-gathered across nodes): core/tree.py."""
+        r = self.replicate.world_size
+        node_sum = pairwise_sum_(rows)  # (shard,) a view of rows[0]
+        if r == 1:
+            output.copy_(node_sum)
+            return
+        sums = torch.empty(r * node_sum.numel(), dtype=output.dtype, device=output.device)  # (R * shard,)
+        dist.all_gather_into_tensor(sums, node_sum.contiguous(), group=self.replicate.group)
+        output.copy_(pairwise_sum_(sums.view(r, -1)))
