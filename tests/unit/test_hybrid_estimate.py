@@ -146,3 +146,97 @@ def test_worked_example_in_the_note_is_what_the_functions_give():
     assert f"16Ψ/16 = {flat_states / 1e9:.1f} GB" in doc and f"16Ψ/8 = {hybrid_states / 1e9:.1f} GB" in doc
     # "1/12 of flat stage 3's bytes": 2·ceil(Ψ/S)·g / 3Ψg = 2/(3·8) exactly here (8 divides Ψ)
     assert hybrid["replicate_group"] * 12 == flat["shard_group"] and "= 1/12 of flat stage 3's bytes" in doc
+
+
+# ----------------------------------------------------------------------------- zerokit memory --shard-group-size
+
+def _memory_rows(out: str) -> dict[int, list[str]]:
+    """Stage number -> the cells of its row in `zerokit memory`'s table."""
+    import re
+
+    rows = {}
+    for line in out.splitlines():
+        if re.match(r"^[0-3]\s{2,}", line):
+            cells = re.split(r"\s{2,}", line.strip())
+            rows[int(cells[0])] = cells
+    return rows
+
+
+def test_memory_command_with_shard_group_size_uses_s_and_prints_bytes_by_group(capsys, tmp_path):
+    """--world-size 16 --shard-group-size 8: rows are a rank of 8's, the group line and both byte figures appear."""
+    import json
+
+    from zerokit.cli import main
+
+    path = tmp_path / "memory.json"
+    assert main(["memory", "--params", "1.5e9", "--world-size", "16", "--shard-group-size", "8", "--unit", "B",
+                 "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "shard group of S = 8 ranks; replicated R = 2 times" in out
+    rows = _memory_rows(out)
+    assert [rows[s][-1] for s in range(4)] == \
+        [f"{estimate(1.5e9, 8 if s else 16, s).total:,}" for s in range(4)]  # N = S for stages 1-3
+    assert [rows[s][2] for s in range(4)] == ["16Ψ", "4Ψ+12Ψ/S", "2Ψ+14Ψ/S", "16Ψ/S"]
+    sent = [comm_bytes_by_group(1_500_000_000, s, 2, 2, 16, 8) for s in range(4)]
+    assert f"  stage 3: {sent[3]['shard_group'] / 1e9:.1f} GB / {sent[3]['replicate_group'] / 1e6:.1f} MB\n" in out
+    assert "stage 0:" in out and "spans all 16 ranks" in out
+
+    record = json.loads(path.read_text())
+    assert (record["world_size"], record["shard_group_size"], record["replicate_groups"]) == (16, 8, 2)
+    for row, s in zip(record["stages"], range(4)):
+        assert row["total"] == estimate(1.5e9, 16, s, shard_group_size=8).total
+        assert (row["comm_bytes_shard_group"], row["comm_bytes_replicate_group"]) == \
+            (sent[s]["shard_group"], sent[s]["replicate_group"])
+
+
+def test_memory_command_without_shard_group_size_is_flat(capsys, tmp_path):
+    """No --shard-group-size: no hybrid line, the N formulas, JSON says S = N and nothing crosses replicas."""
+    import json
+
+    from zerokit.cli import main
+
+    path = tmp_path / "memory.json"
+    assert main(["memory", "--params", "7.5e9", "--world-size", "64", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Hybrid" not in out and "Ψ/S" not in out and "ceil(Ψ/N)" in out
+    sent = [comm_bytes_per_step(7_500_000_000, s, 2, 2) for s in range(4)]
+    assert f"stage 3 {sent[3] / 1e9:.1f} GB" in out
+    record = json.loads(path.read_text())
+    assert (record["shard_group_size"], record["replicate_groups"]) == (64, 1)
+    assert [r["comm_bytes_shard_group"] for r in record["stages"]] == sent
+    assert [r["comm_bytes_replicate_group"] for r in record["stages"]] == [0] * 4
+
+
+def test_memory_command_refuses_a_shard_group_size_that_does_not_divide(capsys):
+    """--shard-group-size 3 with --world-size 8 exits with one line naming both and the divisors; 0 is argparse's."""
+    from zerokit.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["memory", "--params", "1e9", "--world-size", "8", "--shard-group-size", "3"])
+    assert "--shard-group-size 3 does not divide --world-size 8" in str(info.value.code)
+    assert "(1, 2, 4, 8)" in str(info.value.code)
+    with pytest.raises(SystemExit) as info:
+        main(["memory", "--params", "1e9", "--world-size", "8", "--shard-group-size", "0"])
+    assert info.value.code == 2 and "argument --shard-group-size" in capsys.readouterr().err
+
+
+def test_memory_simulate_with_shard_group_size_plays_a_rank_of_s(capsys, tmp_path):
+    """--simulate --world-size 4 --shard-group-size 2 --stage 3 measures rank 0 of 2 and matches estimate at S."""
+    import json
+
+    from zerokit.cli import main
+    from zerokit.models import num_params, preset
+
+    path = tmp_path / "sim.json"
+    assert main(["memory", "--simulate", "--model", "tiny", "--world-size", "4", "--shard-group-size", "2",
+                 "--stage", "3", "--device", "cpu", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "shard group of 2 ranks; replicated 2 times" in out and "playing rank 0 of N = 2" in out
+    result = json.loads(path.read_text())
+    psi = num_params(preset("tiny"))
+    assert result["config"]["world_size"] == 2
+    assert result["hybrid"]["comm_bytes_per_step"] == comm_bytes_by_group(psi, 3, 2, 2, 4, 2)
+    predicted = estimate(psi, 4, 3, shard_group_size=2)
+    for c in ("params", "grads", "master_params", "optimizer_states"):
+        assert result["predicted"][c] == getattr(predicted, c)
+        assert result["measured"][c] == getattr(predicted, c), c  # tiny: one flat buffer per unit, padding included

@@ -17,6 +17,15 @@ locally, see core/comm.py), runs one forward, backward and optimizer step on a t
 (1 sequence of 8 tokens), and prints the ledger of what it really allocated (core/ledger.py
 `ledger`) next to the formula, category by category. The values trained are meaningless (every
 "gathered" shard is a copy of this rank's own); the allocations are exactly a real rank's.
+
+    zerokit memory --params 1.5e9 --world-size 16 --shard-group-size 8
+
+is hybrid sharding: stages 1-3 shard within groups of S = 8 ranks (one node) and replicate
+across the R = 2 groups, so every row uses N = S (a hybrid rank holds exactly what a rank of a
+world of S holds; core/estimate.py [Note: hybrid sharding bytes]); stage 0 shards nothing and
+is unchanged. The command also prints the logical bytes a rank sends per step within its
+shard group and across its replicate group (`comm_bytes_by_group`). With --simulate it plays a
+rank of a world of S for stages 1-3, for the same reason.
 """
 from __future__ import annotations
 
@@ -35,6 +44,9 @@ from zerokit.core.estimate import (
     PRECISIONS,
     STAGE_NAMES,
     activation_bytes_estimate,
+    bytes_per_param,
+    check_shard_group_size,
+    comm_bytes_by_group,
     estimate,
     per_rank_formula,
     zero3_working_set_bytes,
@@ -61,17 +73,52 @@ def format_in(num_bytes: int, unit: str) -> str:
     return f"{num_bytes / UNITS[unit]:.1f}"
 
 
-def stage_rows(num_params: int, world_size: int, precision: str, optimizer: str) -> list[dict[str, Any]]:
-    """One dict per stage 0-3: stage, name, formula, bytes per category and total."""
+def stage_rows(num_params: int, world_size: int, precision: str, optimizer: str,
+               shard_group_size: int | None = None) -> list[dict[str, Any]]:
+    """One dict per stage 0-3: stage, name, formula, bytes per category and total, bytes sent per step.
+
+    shard_group_size: S for hybrid sharding (None: world_size). Then the categories are those of
+    a rank of a world of S, and the formula reads "/S" instead of "/N". The bytes one rank sends
+    per step are `comm_bytes_shard_group` and `comm_bytes_replicate_group` (`comm_bytes_by_group`).
+    """
+    shard_ranks = check_shard_group_size(world_size, shard_group_size)
+    hybrid = shard_ranks != world_size
+    per = bytes_per_param(precision, optimizer)
     rows = []
     for stage in range(4):
-        est = estimate(num_params, world_size, stage, precision, optimizer)
+        est = estimate(num_params, world_size, stage, precision, optimizer, shard_group_size=shard_ranks)
+        formula = per_rank_formula(stage, precision, optimizer)
         row: dict[str, Any] = {"stage": stage, "name": STAGE_NAMES[stage],
-                               "formula": per_rank_formula(stage, precision, optimizer)}
+                               "formula": formula.replace("/N", "/S") if hybrid else formula}
         row.update({key: getattr(est, key) for key, _ in CATEGORY_HEADERS})
         row["total"] = est.total
+        sent = comm_bytes_by_group(num_params, stage, per.params, per.grads, world_size, shard_ranks)
+        row["comm_bytes_shard_group"] = sent["shard_group"]
+        row["comm_bytes_replicate_group"] = sent["replicate_group"]
         rows.append(row)
     return rows
+
+
+def format_auto(num_bytes: int) -> str:
+    """num_bytes in its own decimal unit, e.g. "750.0 MB", "9.0 GB", "0 B"."""
+    unit = choose_unit([num_bytes])
+    return f"{format_in(num_bytes, unit)} {unit}"
+
+
+def render_comm(rows: list[dict[str, Any]], world_size: int, shard_ranks: int) -> list[str]:
+    """The bytes one rank sends per step: one line when flat; within / across per stage when hybrid."""
+    if shard_ranks == world_size:
+        sent = ", ".join(f"stage {r['stage']} {format_auto(r['comm_bytes_shard_group'])}" for r in rows)
+        return [f"Bytes one rank sends per step (ZeRO accounting): {sent}"]
+    lines = [f"Bytes one rank sends per step (ZeRO accounting), within its shard group of {shard_ranks} / "
+             f"across its replicate group of {world_size // shard_ranks}:"]
+    for r in rows:
+        within, across = r["comm_bytes_shard_group"], r["comm_bytes_replicate_group"]
+        note = ""
+        if r["stage"] == 0 and within:
+            note = f" (DDP ignores S: its all-reduce spans all {world_size} ranks, across nodes too)"
+        lines.append(f"  stage {r['stage']}: {format_auto(within)} / {format_auto(across)}{note}")
+    return lines
 
 
 def render_table(rows: list[dict[str, Any]], unit: str) -> list[str]:
@@ -93,6 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--model", metavar="NAME",
                       help="take Ψ from a models.py preset (tiny, small, gpt2-small, gpt2-medium, gpt2-xl)")
     parser.add_argument("--world-size", type=positive_int, required=True, metavar="N", help="number of ranks N (>= 1)")
+    parser.add_argument("--shard-group-size", type=positive_int, metavar="S",
+                        help="hybrid sharding: stages 1-3 shard within groups of S ranks (e.g. the GPUs per node) "
+                             "and replicate across the N/S groups; S must divide N (default: N, flat)")
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16",
                         help="fp32, or mixed precision bf16/fp16 with fp32 master weights (default bf16)")
     parser.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adam",
@@ -186,18 +236,39 @@ def render_ledger(result: dict[str, Any], unit: str) -> list[str]:
     return [fmt(headers), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows]
 
 
+def _shard_group_size(args: argparse.Namespace) -> int:
+    """S from --shard-group-size (default: --world-size), refused in one line unless it divides N."""
+    try:
+        return check_shard_group_size(args.world_size, getattr(args, "shard_group_size", None))
+    except ValueError as err:
+        why = str(err).partition(": ")[2] or str(err)
+        raise SystemExit(f"zerokit memory: --shard-group-size {args.shard_group_size} does not divide --world-size "
+                         f"{args.world_size}: {why}") from None
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     if args.model is None or args.stage is None:
         raise SystemExit("zerokit memory --simulate needs --model NAME and --stage S")
+    shard_ranks = _shard_group_size(args)
+    # A hybrid rank at stages 1-3 holds exactly what a rank of a world of S holds, so that is the
+    # world simulated; stage 0 shards nothing, so N and S give the same rank.
+    simulated_world = shard_ranks if args.stage >= 1 else args.world_size
     try:
-        result = simulate_rank(args.model, args.world_size, args.stage, args.precision, args.optimizer,
+        result = simulate_rank(args.model, simulated_world, args.stage, args.precision, args.optimizer,
                                seq_len=args.seq_len, device=args.device)
     except ValueError as err:
         raise SystemExit(f"zerokit memory --simulate: {err}") from None
     cfg = result["config"]
     values = [v for v in result["measured"].values() if v] + [v for v in result["predicted"].values() if v]
     unit = choose_unit(values) if args.unit == "auto" else args.unit
-    print(f"Measured on one process playing rank 0 of N = {args.world_size} (simulated): model {args.model}, "
+    if shard_ranks != args.world_size:
+        result["hybrid"] = {"world_size": args.world_size, "shard_group_size": shard_ranks,
+                            "replicate_groups": args.world_size // shard_ranks, "simulated_world_size": simulated_world}
+        shared = ("a hybrid rank holds exactly what a rank of a world of S holds" if args.stage >= 1
+                  else "stage 0 shards nothing and ignores S")
+        print(f"Hybrid sharding: shard group of {shard_ranks} ranks; replicated {args.world_size // shard_ranks} "
+              f"times (N = {args.world_size}); {shared}: this measures rank 0 of N = {simulated_world}")
+    print(f"Measured on one process playing rank 0 of N = {simulated_world} (simulated): model {args.model}, "
           f"Ψ = {cfg['num_params']:,}, stage {args.stage} ({STAGE_NAMES[args.stage]}), {args.precision} + "
           f"{cfg['optimizer']}, device {result['device']}; one step on 1 x {args.seq_len} tokens; "
           f"{unit} = {UNITS[unit]:,} bytes")
@@ -205,6 +276,13 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(line)
     print(f"formula: {per_rank_formula(args.stage, args.precision, cfg['optimizer'])} per rank (model states); "
           f"activations predicted by activation_bytes_estimate; {result['seconds']:.1f} s")
+    if shard_ranks != args.world_size:
+        per = bytes_per_param(args.precision, cfg["optimizer"])
+        sent = comm_bytes_by_group(cfg["num_params"], args.stage, per.params, per.grads, args.world_size,
+                                   shard_ranks, trainable_params=cfg["trainable_params"])
+        result["hybrid"]["comm_bytes_per_step"] = sent
+        print(f"bytes one rank sends per step (formula, not measured): {format_auto(sent['shard_group'])} within "
+              f"the shard group, {format_auto(sent['replicate_group'])} across replicate groups")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
@@ -223,14 +301,25 @@ def run(args: argparse.Namespace) -> int:
     else:
         num_params = args.params
 
-    rows = stage_rows(num_params, args.world_size, args.precision, args.optimizer)
+    shard_ranks = _shard_group_size(args)
+    hybrid = shard_ranks != args.world_size
+    rows = stage_rows(num_params, args.world_size, args.precision, args.optimizer, shard_ranks)
     unit = choose_unit([r["total"] for r in rows]) if args.unit == "auto" else args.unit
     source = f"model {args.model}, " if cfg is not None else ""
     print(f"Model states per rank: {source}Ψ = {num_params:,} parameters, N = {args.world_size} ranks, "
           f"{args.precision} + {args.optimizer}; {unit} = {UNITS[unit]:,} bytes")
+    if hybrid:
+        print(f"Hybrid sharding: shard group of S = {shard_ranks} ranks; replicated R = "
+              f"{args.world_size // shard_ranks} times. Stages 1-3 shard within the group only, so each row "
+              f"holds what a rank of N = {shard_ranks} holds; stage 0 shards nothing.")
     for line in render_table(rows, unit):
         print(line)
-    print("Sharded categories hold ceil(Ψ/N) elements per rank (flat buffers padded to a multiple of N).")
+    if hybrid:
+        print("Sharded categories hold ceil(Ψ/S) elements per rank (flat buffers padded to a multiple of S).")
+    else:
+        print("Sharded categories hold ceil(Ψ/N) elements per rank (flat buffers padded to a multiple of N).")
+    for line in render_comm(rows, args.world_size, shard_ranks):
+        print(line)
 
     extras: dict[str, int] = {}
     if cfg is not None:
@@ -250,7 +339,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.json is not None:
         record = {"num_params": num_params, "world_size": args.world_size, "precision": args.precision,
-                  "optimizer": args.optimizer, "model": args.model, "unit": "bytes", "stages": rows, **extras}
+                  "optimizer": args.optimizer, "model": args.model, "unit": "bytes", "stages": rows,
+                  "shard_group_size": shard_ranks, "replicate_groups": args.world_size // shard_ranks, **extras}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.json}")
