@@ -133,7 +133,7 @@ def test_comm_by_group_in_groups_of_one_or_a_world_of_one():
 
 
 def test_worked_example_in_the_note_is_what_the_functions_give():
-    """[Note: hybrid sharding bytes]: Ψ = 1.5e9 bf16, N = 16, S = 8, stage 3; the numbers printed there are computed."""
+    """[Note: hybrid sharding bytes]: Ψ = 1.5e9 bf16, N = 16, S = 8, stage 3; the numbers it prints are computed."""
     psi = 1_500_000_000
     flat = comm_bytes_by_group(psi, 3, 2, 2, 16)
     hybrid = comm_bytes_by_group(psi, 3, 2, 2, 16, 8)
@@ -240,3 +240,122 @@ def test_memory_simulate_with_shard_group_size_plays_a_rank_of_s(capsys, tmp_pat
     for c in ("params", "grads", "master_params", "optimizer_states"):
         assert result["predicted"][c] == getattr(predicted, c)
         assert result["measured"][c] == getattr(predicted, c), c  # tiny: one flat buffer per unit, padding included
+
+
+# ----------------------------------------------------------------------------- zerokit plan --nodes
+
+GB = 10**9
+
+
+def act_1gb_per_sample(batch_size: int, checkpointing: bool) -> int:
+    """Hand-made activations: 1 GB per sample, 0.1 GB with checkpointing."""
+    return batch_size * (GB // 10 if checkpointing else GB)
+
+
+def _plan(*args, **kwargs):
+    from zerokit.commands.plan import plan
+
+    return plan(*args, **kwargs)
+
+
+def test_plan_on_two_nodes_proposes_hybrid_when_a_node_holds_the_model():
+    """1e9 params, 2 nodes of 8 GPUs of 40 GB: ZeRO-2 fits sharded 8 ways too (3.75 GB + 1 GB): hybrid, S = 8."""
+    p = _plan(1e9, 16, 40 * GB, activation_bytes=act_1gb_per_sample, num_nodes=2)
+    assert (p.decision, p.stage, p.nodes, p.shard_group_size) == ("zero2", 2, 2, 8)
+    hybrid_states = estimate(1e9, 16, 2, shard_group_size=8).total
+    assert hybrid_states == estimate(1e9, 8, 2).total
+    assert p.bytes_per_gpu == hybrid_states + GB  # the hybrid figure, not the flat one
+    assert p.max_batch_size == (40 * GB - hybrid_states) // GB  # and the batch limit is hybrid's
+    assert p.max_batch_size < (40 * GB - estimate(1e9, 16, 2).total) // GB
+    assert p.bytes_across_nodes_per_step == comm_bytes_by_group(10**9, 2, 2, 2, 16, 8)["replicate_group"] \
+        == 2 * ceil_div(10**9, 8) * 2
+    assert p.flat_bytes_across_nodes_per_step == comm_bytes_by_group(10**9, 2, 2, 2, 16)["shard_group"]
+    text = "\n".join(p.reasons)
+    assert "shard_group_size=8" in text and "at most" in text and "upper bound" in text
+    assert f"{p.bytes_across_nodes_per_step / GB:.2f} GB per step hybrid" in text
+    assert f"at most {p.flat_bytes_across_nodes_per_step / GB:.2f} GB flat over all 16 GPUs" in text
+
+
+def test_plan_on_two_nodes_stays_flat_when_a_node_cannot_hold_the_model():
+    """2.5 GB GPUs: flat ZeRO-3 fits (16Ψ/16 + 1 GB = 2 GB), sharded within 8 GPUs it would need 3 GB: flat."""
+    p = _plan(1e9, 16, 2.5 * GB, activation_bytes=act_1gb_per_sample, num_nodes=2)
+    assert (p.decision, p.stage, p.checkpointing, p.shard_group_size) == ("zero3", 3, False, None)
+    assert p.bytes_per_gpu == estimate(1e9, 16, 3).total + GB
+    flat = comm_bytes_by_group(10**9, 3, 2, 2, 16)["shard_group"]
+    assert flat == comm_bytes_per_step(10**9, 3, 2, 2)
+    assert p.bytes_across_nodes_per_step == p.flat_bytes_across_nodes_per_step == flat
+    hybrid_need = estimate(1e9, 16, 3, shard_group_size=8).total + GB
+    assert hybrid_need > 2.5 * GB
+    text = "\n".join(p.reasons)
+    assert f"cannot hold it ({hybrid_need / GB:.2f} GB > 2.50 GB)" in text
+    assert f"at most {flat / GB:.2f} GB per step" in text and "does not fit" in text
+
+
+def test_plan_hybrid_lora_counts_only_the_adapters_across_nodes():
+    """1.05 GB GPUs on 2 nodes of 8: LoRA + ZeRO-3 + checkpointing, hybrid; only the 1e6 adapters' shard crosses."""
+    p = _plan(1e9, 16, 1.05 * GB, activation_bytes=act_1gb_per_sample, lora_trainable_params=10**6, num_nodes=2)
+    assert (p.decision, p.lora, p.stage, p.checkpointing, p.shard_group_size) == ("lora", True, 3, True, 8)
+    assert p.bytes_across_nodes_per_step == 2 * (10**6 // 8) * 2 == comm_bytes_by_group(
+        10**9 + 10**6, 3, 2, 2, 16, 8, trainable_params=10**6)["replicate_group"]
+    states = estimate(10**9 + 10**6, 16, 3, trainable_params=10**6, shard_group_size=8).total
+    assert p.bytes_per_gpu == states + GB // 10
+
+
+def test_plan_with_one_gpu_per_node_has_no_hybrid_option():
+    """4 nodes of 1 GPU: a shard group of one shards nothing, so the plan stays flat and says why."""
+    p = _plan(1e9, 4, 40 * GB, activation_bytes=act_1gb_per_sample, num_nodes=4)
+    assert (p.decision, p.shard_group_size) == ("zero2", None)
+    assert p.bytes_across_nodes_per_step == comm_bytes_per_step(10**9, 2, 2, 2)
+    assert any("1 GPU per node" in line for line in p.reasons)
+
+
+def test_plan_on_one_node_has_no_cross_node_fields_and_nothing_fits_has_none():
+    """num_nodes=1 (the default) leaves the new fields empty; a plan where nothing fits names no bytes across."""
+    p = _plan(1e9, 8, 40 * GB, activation_bytes=act_1gb_per_sample)
+    assert (p.nodes, p.shard_group_size, p.bytes_across_nodes_per_step, p.flat_bytes_across_nodes_per_step) == \
+        (1, None, None, None)
+    assert not any("node" in line for line in p.reasons)
+    p = _plan(1e9, 16, 0.1 * GB, activation_bytes=act_1gb_per_sample, lora_trainable_params=10**6, num_nodes=2)
+    assert (p.decision, p.nodes, p.shard_group_size, p.bytes_across_nodes_per_step) == ("does_not_fit", 2, None, None)
+
+
+@pytest.mark.parametrize("nodes, fragment", [
+    (3, "num_nodes=3 does not divide num_gpus=16"), (0, "num_nodes must be"), (1.5, "num_nodes must be")])
+def test_plan_refuses_nodes_that_do_not_divide_the_gpus(nodes, fragment):
+    """num_nodes must be an int >= 1 dividing num_gpus."""
+    with pytest.raises(ValueError, match=fragment):
+        _plan(1e9, 16, 40 * GB, num_nodes=nodes)
+
+
+def test_plan_command_on_two_nodes_prints_and_writes_the_hybrid_choice(capsys, tmp_path):
+    """`zerokit plan --params 1.5e9 --gpus 16 --nodes 2 --gpu-memory 80`: hybrid S = 8, bytes across nodes in JSON."""
+    import json
+
+    from zerokit.cli import main
+
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--params", "1.5e9", "--gpus", "16", "--nodes", "2", "--gpu-memory", "80",
+                 "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    record = json.loads(path.read_text())
+    across = comm_bytes_by_group(1_500_000_000, 2, 2, 2, 16, 8)["replicate_group"]
+    flat = comm_bytes_by_group(1_500_000_000, 2, 2, 2, 16)["shard_group"]
+    assert (record["decision"], record["nodes"], record["gpus_per_node"], record["shard_group_size"]) == \
+        ("zero2", 2, 8, 8)
+    assert (record["bytes_across_nodes_per_step"], record["flat_bytes_across_nodes_per_step"]) == (across, flat)
+    assert "(2 nodes of 8)" in out
+    assert out.rstrip().splitlines()[-2] == (f"decision: zero2, hybrid sharding with shard_group_size=8: "
+                                             f"{across / GB:.2f} GB across nodes per GPU per step (flat: at most "
+                                             f"{flat / GB:.2f} GB)")
+
+
+def test_plan_command_refuses_nodes_that_do_not_divide_gpus(capsys):
+    """--nodes 3 --gpus 16: one line naming both options; --nodes 0 is refused by argparse."""
+    from zerokit.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--params", "1e9", "--gpus", "16", "--nodes", "3", "--gpu-memory", "80"])
+    assert "--nodes 3 does not divide --gpus 16" in str(info.value.code)
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--params", "1e9", "--gpus", "16", "--nodes", "0", "--gpu-memory", "80"])
+    assert info.value.code == 2 and "argument --nodes" in capsys.readouterr().err

@@ -15,6 +15,15 @@ With one GPU there is nothing to shard across, so ZeRO cannot help: the flow che
 training (with and without checkpointing), then LoRA, and otherwise points at quantizing the
 frozen base weights.
 
+On several nodes (`--nodes K`, the --gpus GPUs spread evenly, G = N / K per node) the flow above
+picks its option with flat sharding over all N GPUs, as on one node; then it checks whether the
+same option sharded within one node (hybrid sharding, `zk.shard(..., shard_group_size=G)`: a GPU
+holds what a GPU of a world of G holds) still fits. If it does, the plan proposes hybrid: only the
+all-reduce of each GPU's 1/G gradient shard crosses nodes, 2·ceil(Ψ_t/G)·g bytes per step,
+instead of every collective of the flat run. If it does not, the plan stays flat and says why.
+Both byte figures come from `core.estimate.comm_bytes_by_group` ([Note: hybrid sharding bytes]);
+the flat one counts all of a flat run's bytes as crossing nodes, an upper bound ("at most").
+
 `plan()` is the pure decision function (bytes in, a `Plan` out, with one reasoning line per
 check); the command wraps it with the model shape: `--model NAME` takes it from models.py, or a
 GPT-3-like shape is guessed from Ψ (`guess_shape`, stated in the output). Each check compares
@@ -35,6 +44,7 @@ from zerokit.cli import model_preset, parse_bytes, parse_count, positive_int
 from zerokit.core.estimate import (
     activation_bytes_estimate,
     bytes_per_param,
+    comm_bytes_by_group,
     estimate,
     per_rank_formula,
     zero3_working_set_bytes,
@@ -103,6 +113,11 @@ class Plan:
     max_batch_size: int | None  # largest per-GPU batch that fits the choice; None: unknown or nothing fits
     bytes_per_gpu: int  # model states + working set + activations at batch_size (of the last option tried if none fits)
     reasons: tuple[str, ...]
+    nodes: int = 1  # the GPUs are spread evenly over this many nodes
+    shard_group_size: int | None = None  # zk.shard's shard_group_size: the GPUs per node for hybrid; None: flat
+    bytes_across_nodes_per_step: int | None = None  # logical bytes one GPU sends between nodes per step under the
+    #   choice (hybrid: its replicate-group all-reduce; flat: at most all it sends); None on one node or if nothing fits
+    flat_bytes_across_nodes_per_step: int | None = None  # the same for flat sharding over all GPUs, for comparison
 
 
 def _gb(num_bytes: int) -> str:
@@ -139,7 +154,7 @@ def _cost_note(opt: _Option) -> str:
 def plan(num_params: int | float, num_gpus: int, gpu_memory_bytes: int, bf16: bool = True,
          activation_bytes: ActivationFn | None = None, *, batch_size: int = 1,
          lora_trainable_params: int | None = None, working_set_bytes: int = 0,
-         optimizer: str = "adam") -> Plan:
+         optimizer: str = "adam", num_nodes: int = 1) -> Plan:
     """Walk the lecture's decision flow for Ψ = num_params on num_gpus GPUs of gpu_memory_bytes each.
 
     activation_bytes(batch_size, checkpointing) -> bytes per GPU; None counts activations as 0
@@ -147,6 +162,11 @@ def plan(num_params: int | float, num_gpus: int, gpu_memory_bytes: int, bf16: bo
     None guesses them from a GPT-3-like shape (`guess_shape`). working_set_bytes: the stage-3
     unsharded units alive at once, weights and gradients (`core.estimate.zero3_working_set_bytes`),
     added at stage 3 only, and halved under LoRA, whose frozen weights have no gradient.
+
+    num_nodes: K nodes of num_gpus / K GPUs each (K must divide num_gpus). With K > 1, the option
+    the flow picks is checked once more sharded within one node (hybrid sharding, shard groups of
+    num_gpus / K GPUs), and proposed that way when it fits (the module docstring says why).
+    num_nodes=1 gives exactly the single-node plan.
     """
     psi = int(num_params)
     if psi != num_params or psi < 1:
@@ -159,6 +179,12 @@ def plan(num_params: int | float, num_gpus: int, gpu_memory_bytes: int, bf16: bo
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     if working_set_bytes < 0:
         raise ValueError(f"working_set_bytes must be >= 0, got {working_set_bytes!r}")
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ValueError(f"num_nodes must be an int >= 1, got {num_nodes!r}")
+    if num_gpus % num_nodes:
+        raise ValueError(f"num_nodes={num_nodes} does not divide num_gpus={num_gpus}: the plan assumes the same "
+                         f"number of GPUs on every node; give a GPU count that is a multiple of the node count")
+    gpus_per_node = num_gpus // num_nodes
 
     precision = "bf16" if bf16 else "fp16"
     per = bytes_per_param(precision, optimizer)
@@ -173,7 +199,8 @@ def plan(num_params: int | float, num_gpus: int, gpu_memory_bytes: int, bf16: bo
                        f"underflows small gradients unless the loss is scaled); model states "
                        f"{per.params} + {per.grads} + {per.master_params + per.optimizer_states} = "
                        f"{per_total} B/param before sharding")
-    reasons.append(f"Ψ = {psi:,} parameters on {num_gpus} GPU(s) of {_gb(gpu_memory_bytes)}, "
+    where = f" ({num_nodes} nodes of {gpus_per_node})" if num_nodes > 1 else ""
+    reasons.append(f"Ψ = {psi:,} parameters on {num_gpus} GPU(s){where} of {_gb(gpu_memory_bytes)}, "
                    f"per-GPU batch {batch_size}")
     if activation_bytes is None:
         reasons.append("activations not estimated (counted as 0 B): the batch limit is unknown")
@@ -186,12 +213,16 @@ def plan(num_params: int | float, num_gpus: int, gpu_memory_bytes: int, bf16: bo
         lora_t = int(lora_trainable_params)
         lora_note = f"Ψ_t = {lora_t:,} adapter params"
 
-    def breakdown(opt: _Option, batch: int) -> tuple[int, int, int]:
-        """(model-state bytes, stage-3 working set, activation bytes) per GPU for `opt` at `batch`."""
+    def breakdown(opt: _Option, batch: int, shard_group: int | None = None) -> tuple[int, int, int]:
+        """(model-state bytes, stage-3 working set, activation bytes) per GPU for `opt` at `batch`.
+
+        shard_group: S GPUs that shard the states (hybrid sharding); None: all num_gpus (flat).
+        """
         if opt.lora:  # the adapters are extra parameters; only they train
-            states = estimate(psi + lora_t, num_gpus, opt.stage, precision, optimizer, trainable_params=lora_t)
+            states = estimate(psi + lora_t, num_gpus, opt.stage, precision, optimizer, trainable_params=lora_t,
+                              shard_group_size=shard_group)
         else:
-            states = estimate(psi, num_gpus, opt.stage, precision, optimizer)
+            states = estimate(psi, num_gpus, opt.stage, precision, optimizer, shard_group_size=shard_group)
         ws = 0
         if opt.stage == 3:
             # working_set_bytes counts gathered weights and their gradients equally; frozen weights
@@ -200,49 +231,98 @@ def plan(num_params: int | float, num_gpus: int, gpu_memory_bytes: int, bf16: bo
         a = 0 if activation_bytes is None else int(activation_bytes(batch, opt.checkpointing))
         return states.total, ws, a
 
-    def need(opt: _Option, batch: int) -> int:
-        return sum(breakdown(opt, batch))
+    def need(opt: _Option, batch: int, shard_group: int | None = None) -> int:
+        return sum(breakdown(opt, batch, shard_group))
 
-    def explain(opt: _Option) -> tuple[bool, int, str]:
-        """Does `opt` fit at batch_size? Returns (fits, bytes, reasoning line)."""
-        states, ws, a = breakdown(opt, batch_size)
+    def explain(opt: _Option, shard_group: int | None = None) -> tuple[bool, int, str]:
+        """Does `opt` fit at batch_size, sharded over shard_group GPUs (None: all)? (fits, bytes, reasoning line)."""
+        states, ws, a = breakdown(opt, batch_size, shard_group)
         if opt.lora:
             what = f"states {_gb(states)} (frozen base {per.params} B/param; adapters {per_total} B/param)"
-        else:
+        elif shard_group is None:
             what = f"states {per_rank_formula(opt.stage, precision, optimizer)} = {_gb(states)}"
+        else:
+            what = f"states {per_rank_formula(opt.stage, precision, optimizer).replace('/N', '/S')} = {_gb(states)}"
         if ws:
             what += f" + working set {_gb(ws)}"
         total = states + ws + a
         fits = total <= gpu_memory_bytes
-        line = (f"try {opt.label()} at batch {batch_size}: {what} + activations {_gb(a)} = {_gb(total)} "
+        tried = f"try {opt.label()}"
+        if shard_group is not None:
+            tried = (f"{num_nodes} nodes: try {opt.label()} sharded within one node (hybrid: shard group "
+                     f"S = {shard_group} GPUs, replicated {num_gpus // shard_group} times)")
+        line = (f"{tried} at batch {batch_size}: {what} + activations {_gb(a)} = {_gb(total)} "
                 f"{'<=' if fits else '>'} {_gb(gpu_memory_bytes)}: {'fits' if fits else 'does not fit'}")
         return fits, total, line
 
-    def largest_batch(opt: _Option) -> int | None:
+    def largest_batch(opt: _Option, shard_group: int | None = None) -> int | None:
         """Largest batch >= batch_size that fits, by bisection (activations grow with the batch)."""
         if activation_bytes is None:
             return None
         lo, hi = batch_size, MAX_BATCH_SIZE
-        if need(opt, hi) <= gpu_memory_bytes:
+        if need(opt, hi, shard_group) <= gpu_memory_bytes:
             return hi
         while hi - lo > 1:  # invariant: lo fits, hi does not
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if need(opt, mid) <= gpu_memory_bytes else (lo, mid)
+            lo, hi = (mid, hi) if need(opt, mid, shard_group) <= gpu_memory_bytes else (lo, mid)
         return lo
 
+    def across_nodes(opt: _Option, shard_group: int | None) -> int:
+        """Logical bytes one GPU sends between nodes per step: hybrid's replicate group, or all of a flat run's."""
+        total_params, trainable = (psi + lora_t, lora_t) if opt.lora else (psi, psi)
+        sent = comm_bytes_by_group(total_params, opt.stage, per.params, per.grads, num_gpus, shard_group,
+                                   trainable_params=trainable)
+        # Flat: every collective spans all nodes; all of it is counted as crossing (an upper bound).
+        return sent["replicate_group"] if shard_group is not None else sent["shard_group"]
+
+    def multi_node(opt: _Option, total: int) -> tuple[int | None, int, str, str]:
+        """On K > 1 nodes, for `opt`, which fits flat: (shard_group_size, bytes per GPU, what the "-> use"
+        line adds, the line on bytes across nodes). Hybrid when one node's GPUs hold it, else flat."""
+        flat_across = across_nodes(opt, None)
+        assumption = (f"every collective of a flat run spans the {num_nodes} nodes, so all it sends is counted as "
+                      f"crossing them, an upper bound")
+        flat_line = f"across nodes each GPU sends at most {_gb(flat_across)} per step ({assumption})"
+        if gpus_per_node == 1:
+            reasons.append("1 GPU per node: a shard group of one GPU shards nothing (hybrid sharding would be DDP "
+                           "across nodes), so there is no hybrid option")
+            return None, total, f", flat over all {num_gpus} GPUs", flat_line
+        fits, hybrid_total, line = explain(opt, gpus_per_node)
+        reasons.append(line)
+        if not fits:
+            return None, total, (f", flat over all {num_gpus} GPUs: not hybrid, one node's {gpus_per_node} GPUs "
+                                 f"cannot hold it ({_gb(hybrid_total)} > {_gb(gpu_memory_bytes)})"), flat_line
+        use = (f", hybrid sharding: zk.shard(..., shard_group_size={gpus_per_node}), sharded within each node, "
+               f"replicated across the {num_nodes} nodes")
+        bytes_line = (f"across nodes each GPU sends {_gb(across_nodes(opt, gpus_per_node))} per step hybrid (the "
+                      f"all-reduce of its 1/{gpus_per_node} grad shard across the {num_nodes} nodes), against at "
+                      f"most {_gb(flat_across)} flat over all {num_gpus} GPUs ({assumption}); the price: "
+                      f"{_gb(hybrid_total)} per GPU instead of {_gb(total)}")
+        return gpus_per_node, hybrid_total, use, bytes_line
+
     def choose(decision: str, opt: _Option, total: int) -> Plan:
-        max_batch = largest_batch(opt)
+        shard_group, across, flat_across = None, None, None
+        use = f"-> use {opt.label()}, {precision}{_cost_note(opt)}"
+        if num_nodes > 1:
+            shard_group, total, how, bytes_line = multi_node(opt, total)
+            across, flat_across = across_nodes(opt, shard_group), across_nodes(opt, None)
+            reasons.extend([use + how, bytes_line])
+        else:
+            reasons.append(use)
+        max_batch = largest_batch(opt, shard_group)
         if max_batch is not None:
             if max_batch == batch_size:
                 reasons.append(f"-> the batch cannot grow: {batch_size + 1} would need "
-                               f"{_gb(need(opt, batch_size + 1))}; reach larger batches by gradient accumulation")
+                               f"{_gb(need(opt, batch_size + 1, shard_group))}; reach larger batches by gradient "
+                               f"accumulation")
             else:
                 cap = "at least " if max_batch == MAX_BATCH_SIZE else ""
                 reasons.append(f"-> grow the batch: the largest per-GPU batch that fits is {cap}{max_batch} "
-                               f"({_gb(need(opt, max_batch))})")
+                               f"({_gb(need(opt, max_batch, shard_group))})")
         return Plan(decision=decision, precision=precision, loss_scaler=not bf16, stage=opt.stage,
                     checkpointing=opt.checkpointing, lora=opt.lora, batch_size=batch_size,
-                    max_batch_size=max_batch, bytes_per_gpu=total, reasons=tuple(reasons))
+                    max_batch_size=max_batch, bytes_per_gpu=total, reasons=tuple(reasons), nodes=num_nodes,
+                    shard_group_size=shard_group, bytes_across_nodes_per_step=across,
+                    flat_bytes_across_nodes_per_step=flat_across)
 
     if num_gpus == 1:
         reasons.append("1 GPU: ZeRO shards model states across GPUs, so with one GPU it cannot help; "
@@ -259,7 +339,6 @@ def plan(num_params: int | float, num_gpus: int, gpu_memory_bytes: int, bf16: bo
         reasons.append(line)
         if fits:
             decision = "single_gpu" if num_gpus == 1 else f"zero{opt.stage}"
-            reasons.append(f"-> use {opt.label()}, {precision}{_cost_note(opt)}")
             return choose(decision, opt, total)
 
     reasons.append(f"full fine-tuning does not fit even at batch {batch_size}: use LoRA on "
@@ -268,7 +347,6 @@ def plan(num_params: int | float, num_gpus: int, gpu_memory_bytes: int, bf16: bo
         fits, total, line = explain(opt)
         reasons.append(line)
         if fits:
-            reasons.append(f"-> use {opt.label()}, {precision}{_cost_note(opt)}")
             return choose("lora", opt, total)
 
     quantized = math.ceil(psi / 2)  # 4-bit weights: half a byte per parameter
@@ -281,7 +359,7 @@ def plan(num_params: int | float, num_gpus: int, gpu_memory_bytes: int, bf16: bo
     reasons.append(f"nothing fits: {advice}")
     return Plan(decision="does_not_fit", precision=precision, loss_scaler=not bf16, stage=None,
                 checkpointing=True, lora=True, batch_size=batch_size, max_batch_size=None,
-                bytes_per_gpu=total, reasons=tuple(reasons))
+                bytes_per_gpu=total, reasons=tuple(reasons), nodes=num_nodes)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -290,6 +368,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--model", metavar="NAME",
                       help="a models.py preset (tiny, small, gpt2-small, gpt2-medium, gpt2-xl): Ψ and shape")
     parser.add_argument("--gpus", type=positive_int, required=True, metavar="G", help="number of GPUs (>= 1)")
+    parser.add_argument("--nodes", type=positive_int, default=1, metavar="K",
+                        help="the --gpus GPUs sit on K nodes, G/K each (default 1); with K > 1 the plan weighs "
+                             "hybrid sharding (shard within a node, replicate across nodes) against flat")
     parser.add_argument("--gpu-memory", type=parse_bytes, required=True, metavar="GB",
                         help="memory per GPU: a number is GB (10^9 bytes); 80GiB for binary units")
     parser.add_argument("--no-bf16", action="store_true",
@@ -303,6 +384,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     precision = "fp16" if args.no_bf16 else "bf16"
+    nodes = getattr(args, "nodes", 1)
+    if args.gpus % nodes:
+        raise SystemExit(f"zerokit plan: --nodes {nodes} does not divide --gpus {args.gpus}: --gpus counts the GPUs "
+                         f"of all nodes together (e.g. --nodes 2 --gpus 16 for 2 nodes of 8)")
     if args.model is not None:
         cfg, num_params = model_preset("plan", args.model)
         seq_len = args.seq_len or cfg.block_size
@@ -321,15 +406,23 @@ def run(args: argparse.Namespace) -> int:
         num_params, args.gpus, args.gpu_memory, bf16=not args.no_bf16,
         activation_bytes=lambda b, ckpt: activation_bytes_estimate(cfg, b, precision, ckpt, seq_len=seq_len),
         batch_size=args.batch_size, lora_trainable_params=lora_adapter_params(cfg),
-        working_set_bytes=zero3_working_set_bytes(cfg, precision),
+        working_set_bytes=zero3_working_set_bytes(cfg, precision), num_nodes=nodes,
     )
     print(shape_line)
     for i, line in enumerate(result.reasons, 1):
         print(f"{i:2d}. {line}")
-    print(f"decision: {result.decision}")
+    if nodes == 1 or result.stage is None:
+        print(f"decision: {result.decision}")
+    elif result.shard_group_size is not None:
+        print(f"decision: {result.decision}, hybrid sharding with shard_group_size={result.shard_group_size}: "
+              f"{_gb(result.bytes_across_nodes_per_step)} across nodes per GPU per step (flat: at most "
+              f"{_gb(result.flat_bytes_across_nodes_per_step)})")
+    else:
+        print(f"decision: {result.decision}, flat over all {args.gpus} GPUs: at most "
+              f"{_gb(result.bytes_across_nodes_per_step)} across nodes per GPU per step")
     if args.json is not None:
-        record = {"num_params": num_params, "gpus": args.gpus, "gpu_memory_bytes": args.gpu_memory,
-                  "model": args.model, "seq_len": seq_len, **asdict(result)}
+        record = {"num_params": num_params, "gpus": args.gpus, "gpus_per_node": args.gpus // nodes,
+                  "gpu_memory_bytes": args.gpu_memory, "model": args.model, "seq_len": seq_len, **asdict(result)}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.json}")
