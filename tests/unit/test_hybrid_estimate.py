@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 import zerokit.core.estimate as estimate_module
 from zerokit.core.estimate import (
-    check_shard_group_size,
     comm_bytes_by_group,
     comm_bytes_per_step,
     estimate,
+    resolve_shard_group_size,
 )
 
 fast = settings(max_examples=200, deadline=None)
@@ -89,10 +89,12 @@ def test_bad_shard_group_size_is_refused_naming_both_numbers_and_the_fix(bad, fr
             assert "pick a divisor of 8 (1, 2, 4, 8)" in str(info.value)
 
 
-def test_check_shard_group_size_returns_s():
-    """check_shard_group_size: None -> N, a divisor -> itself."""
-    assert check_shard_group_size(16, None) == 16
-    assert check_shard_group_size(16, 8) == 8 and check_shard_group_size(16, 1) == 1
+def test_resolve_shard_group_size_returns_s():
+    """resolve_shard_group_size(S, N): None -> N, a divisor -> itself (the argument order of core/hybrid.py's check)."""
+    assert resolve_shard_group_size(None, 16) == 16
+    assert resolve_shard_group_size(8, 16) == 8 and resolve_shard_group_size(1, 16) == 1
+    with pytest.raises(ValueError, match="shard_group_size=16 does not divide world_size=8"):
+        resolve_shard_group_size(16, 8)
 
 
 # ----------------------------------------------------------------------------- bytes per step

@@ -45,10 +45,10 @@ from zerokit.core.estimate import (
     STAGE_NAMES,
     activation_bytes_estimate,
     bytes_per_param,
-    check_shard_group_size,
     comm_bytes_by_group,
     estimate,
     per_rank_formula,
+    resolve_shard_group_size,
     zero3_working_set_bytes,
 )
 
@@ -81,7 +81,7 @@ def stage_rows(num_params: int, world_size: int, precision: str, optimizer: str,
     a rank of a world of S, and the formula reads "/S" instead of "/N". The bytes one rank sends
     per step are `comm_bytes_shard_group` and `comm_bytes_replicate_group` (`comm_bytes_by_group`).
     """
-    shard_ranks = check_shard_group_size(world_size, shard_group_size)
+    shard_ranks = resolve_shard_group_size(shard_group_size, world_size)
     hybrid = shard_ranks != world_size
     per = bytes_per_param(precision, optimizer)
     rows = []
@@ -239,7 +239,7 @@ def render_ledger(result: dict[str, Any], unit: str) -> list[str]:
 def _shard_group_size(args: argparse.Namespace) -> int:
     """S from --shard-group-size (default: --world-size), refused in one line unless it divides N."""
     try:
-        return check_shard_group_size(args.world_size, getattr(args, "shard_group_size", None))
+        return resolve_shard_group_size(getattr(args, "shard_group_size", None), args.world_size)
     except ValueError as err:
         why = str(err).partition(": ")[2] or str(err)
         raise SystemExit(f"zerokit memory: --shard-group-size {args.shard_group_size} does not divide --world-size "

@@ -147,11 +147,12 @@ def _check_stage(stage: int) -> None:
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
 
 
-def check_shard_group_size(world_size: int, shard_group_size: int | None) -> int:
+def resolve_shard_group_size(shard_group_size: int | None, world_size: int) -> int:
     """S, the ranks one shard group spans: `shard_group_size`, or world_size when it is None (flat sharding).
 
     Shard groups tile the world, so S must be an int >= 1 dividing world_size; anything else is a
-    ValueError naming both numbers and the divisors to choose from.
+    ValueError naming both numbers and the divisors to choose from. (core/hybrid.py checks the
+    same when it builds the groups; this copy keeps the formulas free of torch.)
     """
     if shard_group_size is None:
         return world_size
@@ -199,7 +200,7 @@ def estimate(num_params: int | float, world_size: int, stage: int, precision: st
     if psi_t > psi:
         raise ValueError(f"trainable_params={psi_t} exceeds num_params={psi}")
     _check_world_size(world_size)
-    shard_ranks = check_shard_group_size(world_size, shard_group_size)  # S: N when sharding is flat
+    shard_ranks = resolve_shard_group_size(shard_group_size, world_size)  # S: N when sharding is flat
     _check_stage(stage)
     per = bytes_per_param(precision, optimizer)
     psi_f = psi - psi_t
@@ -369,7 +370,7 @@ def comm_bytes_by_group(num_params: int, stage: int, param_bytes: int, grad_byte
     if psi_t > psi:
         raise ValueError(f"trainable_params={psi_t} exceeds num_params={psi}")
     _check_world_size(world_size)
-    shard_ranks = check_shard_group_size(world_size, shard_group_size)
+    shard_ranks = resolve_shard_group_size(shard_group_size, world_size)
     _check_stage(stage)
     if stage == 0:
         world = comm_bytes_per_step(psi, 0, param_bytes, grad_bytes, trainable_params=psi_t) if world_size > 1 else 0
