@@ -7,6 +7,12 @@ changes. Not under torchrun it spawns `--nproc` gloo ranks on this machine itsel
 meta.json); `--resume DIR` loads one, at any stage, world size or precision, and continues
 from that step, so the data batches pick up where the saved run stopped.
 
+`--shard-group-size S` shards stages 1-3 within groups of S ranks and replicates across them
+(core/hybrid.py); across two machines, run on each (node rank 0 and 1, HOST the first's address):
+
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+        --rdzv-id job1 -m zerokit train --stage 3 --shard-group-size 2
+
 `--reduction tree` (core/tree.py) numbers the step's micro-batches globally, M = nproc ×
 accumulate of them, rank r taking r·accumulate ... (r+1)·accumulate - 1, so that runs with
 the same M at different --nproc train on the same data; they then print the same weights
@@ -41,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reduction", default="linear", choices=["linear", "tree"],
                    help="tree: the same weights, bit for bit, at every --nproc with the same --nproc x --accumulate "
                         "(both powers of two); see core/tree.py")
+    p.add_argument("--shard-group-size", type=positive_int, default=None, metavar="S",
+                   help="hybrid sharding: stages 1-3 shard over groups of S ranks (a node's) and replicate across "
+                        "them; S divides the world size (default: the whole world); see core/hybrid.py")
     p.add_argument("--lr", type=non_negative_float, default=3e-3)
     p.add_argument("--weight-decay", type=non_negative_float, default=0.1)
     p.add_argument("--clip", type=non_negative_float, default=1.0, help="global gradient-norm clip (0 = off)")
@@ -78,7 +87,8 @@ def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
     engine = zk.shard(model, torch.optim.AdamW, stage=cfg["stage"], precision=cfg["precision"],
                       reduce_dtype=cfg.get("reduce_dtype"), lr=cfg["lr"], weight_decay=cfg["weight_decay"],
                       bucket_numel=cfg["bucket_numel"], wrap=(Block,), prefetch=cfg["prefetch"],
-                      param_groups=no_decay, reduction=cfg.get("reduction", "linear"))
+                      param_groups=no_decay, reduction=cfg.get("reduction", "linear"),
+                      shard_group_size=cfg.get("shard_group_size"))
     first_step = 0
     if cfg.get("resume"):
         meta = engine.load(cfg["resume"])  # raises on every rank for a missing file or another model
@@ -120,7 +130,8 @@ def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
     return {
         "rank": rank, "first_step": first_step, "losses": losses, "weights_sha256": digest, "skipped_steps": skipped, "memory": engine.memory(),
         "tokens_per_s": tokens_per_step * len(losses) / elapsed, "seconds": elapsed,
-        "comm_bytes": engine.comm_stats(), "loss_scale": engine.loss_scale,
+        "comm_bytes": engine.comm_stats(), "comm_bytes_by_group": engine.comm_stats(by_group=True),
+        "loss_scale": engine.loss_scale,
         "num_params": sum(p.numel() for p in model.parameters()),
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
@@ -167,6 +178,13 @@ def check_arguments(cfg: dict) -> None:
             if value & (value - 1):
                 raise ValueError(f"--reduction tree needs {flag} to be a power of two (1, 2, 4, ...), got {value}: "
                                  "the binary tree over micro-batches has no other shape")
+    if cfg.get("shard_group_size") is not None:
+        from zerokit.core.hybrid import check_shard_group_size
+        nproc = int(os.environ.get("WORLD_SIZE", cfg["nproc"]))
+        try:
+            check_shard_group_size(cfg["shard_group_size"], nproc)
+        except ValueError as exc:
+            raise ValueError(f"--shard-group-size: {exc}") from None
     if cfg.get("resume"):
         resume = cfg["resume"]
         if not os.path.isdir(resume):
@@ -224,6 +242,13 @@ def report(summaries: list[dict], cfg: dict) -> None:
     print(f"weights sha256: {first['weights_sha256']}"
           + (f"  (reduction tree: the same at any --nproc with --nproc x --accumulate = "
              f"{len(summaries) * cfg['accumulate']})" if cfg.get("reduction") == "tree" else ""))
+    size = cfg.get("shard_group_size")
+    if size is not None and size < len(summaries) and cfg["stage"] > 0:
+        groups = first["comm_bytes_by_group"]
+        within, across = (sum(groups[g].values()) for g in ("shard_group", "replicate_group"))
+        print(f"hybrid sharding: {len(summaries) // size} shard groups of {size} ranks; rank 0 sent "
+              f"{within / 1e6:,.2f} MB within its shard group and {across / 1e6:,.2f} MB across shard groups "
+              f"over {len(losses)} steps (ZeRO accounting)")
     if cfg.get("resume"):
         print(f"resumed from {cfg['resume']} at step {first['first_step']}")
     if cfg.get("save"):

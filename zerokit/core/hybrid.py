@@ -28,8 +28,10 @@ different bits. So the ordered recipe keeps the node's raw contributions apart a
 nodes: step 1 is an all-to-all (rank p of node k receives its node's S rows of range p), and
 along replicate group p node 0 adds its S rows in order and sends the running sum to node 1,
 which adds its own S rows in order and passes it on; the last node broadcasts the total to its
-replicate group. Each link carries one (Ψ/S,) shard and the broadcast one more: the bytes of a
-ring all-reduce of the shard, with R - 1 hops of latency. Under `reduction="tree"` the order is
+replicate group. At R = 2 (two nodes) a rank receives one (Ψ/S,) shard per hop and one total:
+the bytes of an all-reduce of the shard. Each hop is a broadcast over the replicate group rather
+than a send (collectives only), so at larger R a rank receives every hop's running sum: R - 1 hops
+of latency and of bytes, a price of exactness; the native recipe is the one that scales. Under `reduction="tree"` the order is
 (g0 + g1) + (g2 + g3) at every world size (core/tree.py), which is exactly per-node subtrees
 joined pairwise: node k sums its S rows pairwise, the R node sums are all-gathered across the
 replicate group and summed pairwise (S and R powers of two). With `ordered_reduction=False`
@@ -190,22 +192,32 @@ class HybridComm(Comm):
         return received.view(s, -1), work
 
     def _chain_across(self, output: torch.Tensor, rows: torch.Tensor) -> None:
-        """Linear order over all N ranks: node k adds its rows to node k - 1's running sum, then the last
-        node broadcasts the total along the replicate group ([Note: hybrid sharding])."""
+        """Linear order over all N ranks: node h adds its rows to nodes 0..h-1's running sum, then the
+        last node's total goes to every node ([Note: hybrid sharding]).
+
+        Each hop is a broadcast along the replicate group from node h - 1 (every node takes part;
+        only node h keeps what it receives), not a send/recv: collectives only, which torch's
+        TORCH_DISTRIBUTED_DEBUG=DETAIL checks (its sequence numbers count point-to-point calls
+        unevenly). At R = 2 a hop is exactly a send; at larger R each rank receives R - 1 running
+        sums it mostly discards (bytes on the wire grow with R; the counters count the logical
+        all-reduce).
+        """
         k, r = self.replicate.rank, self.replicate.world_size
         group, peers = self.replicate.group, self._replica_global
+
+        def add_rows(first: int) -> None:
+            for i in range(first, rows.shape[0]):  # global rank order, as stage 0's ordered sum
+                output.add_(rows[i])
+
         if k == 0:
             output.copy_(rows[0])
-            first = 1
-        else:
-            dist.recv(output, src=peers[k - 1], group=group)  # g_0 + ... + g_(kS - 1), pre-divided
-            first = 0
-        for i in range(first, rows.shape[0]):  # global rank order, as stage 0's ordered sum
-            output.add_(rows[i])
-        if k < r - 1:
-            dist.send(output, dst=peers[k + 1], group=group)
+            add_rows(1)
+        for h in range(1, r):  # hop h: nodes 0..h-1's sum (pre-divided), from node h - 1 to node h
+            dist.broadcast(output, src=peers[h - 1], group=group)
+            if k == h:
+                add_rows(0)
         if r > 1:
-            dist.broadcast(output, src=peers[r - 1], group=group)
+            dist.broadcast(output, src=peers[r - 1], group=group)  # the total, to every node
 
     def _tree_across(self, output: torch.Tensor, rows: torch.Tensor) -> None:
         """Pairwise: the node's S rows, then the R node sums (all-gathered across nodes): core/tree.py."""
