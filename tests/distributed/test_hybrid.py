@@ -16,6 +16,7 @@ import torch
 
 import zerokit as zk
 from tests.common import OddBlock, odd_batch, odd_model, train_zerokit
+from zerokit.core.estimate import comm_bytes_by_group
 from zerokit.launch import run_ranks
 
 STEPS, BATCH, CLIP = 10, 2, 0.05  # the odd model's gradient norm is ~1: the clip is active at every step
@@ -63,6 +64,9 @@ def _four_ranks(rank, world_size, ckpt_dir):
                 train_more(flat, BATCH, 1, 0, rank % 2, 2)
                 out[("memory", stage)] = (engine.memory(), flat.memory())
                 out[("bytes", stage)] = (_step_bytes(engine, BATCH), _step_bytes(flat, BATCH), _grad_bytes(engine))
+                params = {id(p): p for p in engine.module.parameters()}.values()
+                out[("psi", stage)] = (sum(p.numel() for p in params),
+                                       sum(p.numel() for p in params if p.requires_grad), len(engine.flat_params))
             del engine
     # reduction="tree": stage 0 vs hybrid stage 3; the native recipe; one rank per shard group
     for name, stage, kwargs in [("tree", 0, dict(reduction="tree")), ("tree", 3, dict(reduction="tree", group=groups)),
@@ -143,6 +147,16 @@ def test_hybrid_bytes_per_step(runs, stage):
                                              "all_gather": 0, "broadcast": 0}
         assert flat["replicate_group"]["all_reduce"] == 0
         assert sum(hybrid["world"].values()) == 0  # nothing else crosses: the world only at init
+        # the formula (core/estimate.py), up to padding: < S elements per flat buffer, in each collective
+        psi, psi_t, buffers = out[("psi", stage)]
+        formula = comm_bytes_by_group(psi, stage, 2, 2, world_size=4, shard_group_size=2, trainable_params=psi_t)
+        assert formula["replicate_group"] == 2 * -(-psi_t // 2) * 2
+        assert 0 <= sum(hybrid["replicate_group"].values()) - formula["replicate_group"] <= 2 * 2 * buffers
+        within = sum(hybrid["shard_group"].values())
+        if stage < 3:
+            assert 0 <= within - formula["shard_group"] <= 2 * 2 * buffers
+        else:  # the formula gathers every unit twice; the root unit stays gathered from forward to backward
+            assert within < formula["shard_group"]
 
 
 def test_hybrid_tree_native_and_one_rank_per_node(runs):
