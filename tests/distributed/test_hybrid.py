@@ -6,6 +6,7 @@ One 4-rank spawn builds the groups once (`zk.hybrid_groups(2)`) and runs every c
 - a hybrid rank's memory equal to a flat engine's on a world of 2 (the same shard group used as
   a plain group: the formulas with N = 2), and its bytes per step: within the node as that flat
   engine's, across nodes one all-reduce of each grad shard (2 x shard bytes, ZeRO accounting);
+- fp16 (the overflow flag agreed inside the node) and bf16 reduced in fp32, equal to stage 0;
 - reduction="tree" (pairwise per node, then across) equal to stage 0 under the tree; the native
   recipe (ordered_reduction=False) close to it; S = 1 (sharded over one rank, replicated 4 times);
 - a checkpoint saved at (4 ranks, S = 2, stage 3) loaded at (4, S = 4, stage 2) here and at
@@ -68,6 +69,11 @@ def _four_ranks(rank, world_size, ckpt_dir):
                 out[("psi", stage)] = (sum(p.numel() for p in params),
                                        sum(p.numel() for p in params if p.requires_grad), len(engine.flat_params))
             del engine
+    # fp16 (the overflow flag agreed in the node) and bf16 reduced in fp32: stage 0 vs hybrid
+    for name, stage, kwargs in [(p, st, dict(precision="fp16", group=groups)) for p in ["fp16"] for st in (0, 3)] + \
+            [("bf16+fp32", st, dict(precision="bf16", reduce_dtype=torch.float32, group=groups)) for st in (0, 2)]:
+        out[(name, stage)] = train_zerokit(rank, world_size, stage, torch.optim.AdamW, OPT, 4, BATCH, clip=CLIP,
+                                           bucket_numel=200, **kwargs)[1]
     # reduction="tree": stage 0 vs hybrid stage 3; the native recipe; one rank per shard group
     for name, stage, kwargs in [("tree", 0, dict(reduction="tree")), ("tree", 3, dict(reduction="tree", group=groups)),
                                 ("native", 3, dict(ordered_reduction=False, group=groups)),
@@ -157,6 +163,13 @@ def test_hybrid_bytes_per_step(runs, stage):
             assert 0 <= within - formula["shard_group"] <= 2 * 2 * buffers
         else:  # the formula gathers every unit twice; the root unit stays gathered from forward to backward
             assert within < formula["shard_group"]
+
+
+def test_hybrid_fp16_and_fp32_reductions_equal_stage0(runs):
+    for out in runs[0]:
+        _assert_equal(out[("fp16", 3)], out[("fp16", 0)], f"rank {out['rank']} fp16: hybrid stage 3 vs stage 0")
+        _assert_equal(out[("bf16+fp32", 2)], out[("bf16+fp32", 0)],
+                      f"rank {out['rank']} bf16 reduced in fp32: hybrid stage 2 vs stage 0")
 
 
 def test_hybrid_tree_native_and_one_rank_per_node(runs):
