@@ -82,6 +82,12 @@ def _four_ranks(rank, world_size, ckpt_dir):
         out[(name, stage)] = state
     _, out[("short", 0)], _ = train_zerokit(rank, world_size, 0, torch.optim.AdamW, OPT, 3, BATCH, clip=CLIP)
 
+    # mistakes: groups that are not a grid (the node's group as its replicate group too)
+    try:
+        zk.shard(odd_model(), torch.optim.AdamW, stage=2, group=(groups[0], groups[0]), **OPT)
+        out["bad groups"] = "accepted"
+    except ValueError as exc:
+        out["bad groups"] = str(exc)
     # checkpoint: save after 5 steps at (4, S=2, stage 3), the uninterrupted run goes on to 10
     _, _, engine = train_zerokit(rank, world_size, 3, torch.optim.AdamW, OPT, 5, BATCH, clip=CLIP, group=groups)
     engine.save(ckpt_dir)
@@ -186,3 +192,20 @@ def test_hybrid_checkpoint_loads_across_world_size_shard_group_and_stage(runs):
     for name, state in [("4 ranks, S=4, stage 2", four[0]["resumed S=4 stage 2"]), ("2 ranks, S=2, stage 1", two[0])]:
         for k, v in reference.items():
             torch.testing.assert_close(state[k], v, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {k}: {m}")
+
+
+def test_hybrid_refuses_groups_that_are_not_a_grid(runs):
+    for out in runs[0]:
+        assert "do not form a grid" in out["bad groups"] and "zk.hybrid_groups" in out["bad groups"], out["bad groups"]
+
+
+def test_hybrid_refusals_without_a_process_group():
+    """Bad shard group sizes are refused before anything is wrapped, naming the fix."""
+    with pytest.raises(ValueError, match="does not divide"):
+        zk.shard(odd_model(), torch.optim.AdamW, stage=1, shard_group_size=2, lr=1e-3)
+    with pytest.raises(ValueError, match="int >= 1"):
+        zk.shard(odd_model(), torch.optim.AdamW, stage=3, shard_group_size=0, lr=1e-3)
+    with pytest.raises(ValueError, match="comm= replaces"):
+        zk.shard(odd_model(), torch.optim.AdamW, stage=1, shard_group_size=1, comm=zk.Comm(), lr=1e-3)
+    engine = zk.shard(odd_model(), torch.optim.AdamW, stage=3, shard_group_size=1, lr=1e-3, wrap=(OddBlock,))
+    assert type(engine.comm) is zk.Comm and engine.world_size == 1  # S = N = 1: one flat group

@@ -13,9 +13,10 @@ world of S holds (the memory formulas with N = S). Stage 3 all-gathers parameter
 node; nothing but gradients crosses nodes:
 
     1. inside the node: reduce-scatter the bucket        (Ψ·g per rank, ZeRO accounting)
-    2. across nodes: all-reduce the (Ψ/S,) grad shard    (2·Ψ/S·g per rank: S times less than
-                                                          a flat stage 3, which all-gathers Ψ·p
-                                                          twice and reduce-scatters Ψ·g over them)
+    2. across nodes: all-reduce the (Ψ/S,) grad shard    (2·Ψ/S·g per rank, where a flat stage 3
+                                                          sends all of its 2·Ψ·p + Ψ·g over
+                                                          collectives that span the nodes:
+                                                          about 2/(3S) of it, p = g)
 
 Every rank of a replicate group then holds the same averaged shard, takes the same optimizer
 step and stays a replica. The gradient is pre-divided by N (not S): the average is over every
@@ -50,20 +51,17 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from zerokit.core.comm import Comm, Handle, _nbytes, _shares_storage
+from zerokit.core.estimate import resolve_shard_group_size
 from zerokit.core.tree import is_power_of_two, pairwise_sum_
 
 __all__ = ["HybridComm", "hybrid_groups", "check_shard_group_size"]
 
 
 def check_shard_group_size(shard_group_size, world_size: int) -> int:
-    """S as an int dividing the world size N, or a ValueError naming the fix."""
-    if isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int) or shard_group_size < 1:
-        raise ValueError(f"shard_group_size must be an int >= 1 (the ranks per node), got {shard_group_size!r}")
-    if world_size % shard_group_size:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(f"shard_group_size={shard_group_size} does not divide the world size {world_size}: every "
-                         f"node must hold the same number of ranks; use one of {divisors}")
-    return shard_group_size
+    """S as an int dividing the world size N, or a ValueError naming the fix (core/estimate.py's check)."""
+    if shard_group_size is None:
+        raise ValueError("shard_group_size must be an int >= 1 (the ranks per node), got None")
+    return resolve_shard_group_size(shard_group_size, world_size)
 
 
 def hybrid_groups(shard_group_size: int, backend: str | None = None):
@@ -103,6 +101,7 @@ class HybridComm(Comm):
         if s * r != n:
             raise ValueError(f"the shard group ({s} ranks) times the replicate group ({r} ranks) must be the world "
                              f"({n} ranks): pass (shard_group, replicate_group) as zk.hybrid_groups builds them")
+        self._check_grid(shard_group, replicate_group)
         self.data_parallel_size = n
         self.world_rank = self.world.rank
         self.replica_rank = self.replicate.rank
@@ -110,6 +109,27 @@ class HybridComm(Comm):
         self._replica_global = [dist.get_global_rank(replicate_group, i) for i in range(r)]  # node k -> its rank
         if tree:
             self.use_tree()
+
+    def _check_grid(self, shard_group, replicate_group) -> None:
+        """Refuse groups that do not tile the world as a grid (a replicate group that is another shard group
+        would average inside the node and let the nodes drift apart, silently): every rank's two groups meet in
+        that rank alone, and every member of a group names the same group. Raised on every rank."""
+        mine = (dist.get_process_group_ranks(shard_group), dist.get_process_group_ranks(replicate_group))
+        everyone = self.world.all_gather_object(mine, label="the hybrid groups check", phase="init")
+        problems = []
+        for rank, (shard, replicate) in enumerate(everyone):
+            if set(shard) & set(replicate) != {rank}:
+                problems.append(f"rank {rank}: its shard group {shard} and replicate group {replicate} share "
+                                f"{sorted(set(shard) & set(replicate))}, not rank {rank} alone")
+            for which, ranks in ((0, shard), (1, replicate)):
+                other = next((m for m in ranks if sorted(everyone[m][which]) != sorted(ranks)), None)
+                if other is not None:
+                    problems.append(f"rank {rank} has {('shard', 'replicate')[which]} group {ranks}, but rank {other} "
+                                    f"has {everyone[other][which]}")
+        if problems:
+            raise ValueError("hybrid sharding: the groups passed do not form a grid of shard groups x replicate "
+                             f"groups (raised on rank {self.world.rank}):\n  " + "\n  ".join(problems[:8])
+                             + "\nbuild them with zk.hybrid_groups(S), or pass shard_group_size=S")
 
     def use_tree(self) -> None:
         s, r = self.world_size, self.replicate.world_size
