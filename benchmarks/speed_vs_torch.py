@@ -1,34 +1,80 @@
-"""Step time of zerokit's stages beside torch's own DDP, ZeroRedundancyOptimizer and FSDP.
+"""Step time and allocator bytes of zerokit's stages beside torch's DDP, ZeroRedundancyOptimizer, FSDP1 and FSDP2.
 
     python benchmarks/speed_vs_torch.py                    # 2 gloo ranks, model small, 30 steps, fp32
     python benchmarks/speed_vs_torch.py --nproc 2 --model small --steps 30 --warmup 5 --precision fp32
+    python benchmarks/speed_vs_torch.py --nproc 4 --model small --steps 20 --warmup 5 --precision fp32
 
 docs/design.md ("Speed, from the first line") names torch's implementations as the yardstick. One
 spawn of `--nproc` ranks trains, in turn, each configuration below from the same initial
 weights (`build_model(seed)`) on the same batches (`CharCorpus.batch`), with the same AdamW
 hyperparameters (lr, betas, weight decay 0.1 on matrices and 0 on biases/LayerNorms), through
-one loop body (`_timed_steps`), and the pairs are compared:
+one loop body (`_timed_steps`). Each zerokit stage is set beside its peers, every peer a run
+(and a row) of its own:
 
-    zerokit stage 0  vs  torch DistributedDataParallel
-    zerokit stage 1  vs  torch ZeroRedundancyOptimizer over DDP (DDP all-reduces the grads,
-                         each rank steps its own params, then broadcasts them: torch's recipe)
-    zerokit stage 2  vs  torch DDP (torch has no stage-2 peer: FSDP's SHARD_GRAD_OP shards
-                         grads but also keeps params sharded between steps; DDP stands in)
-    zerokit stage 3  vs  torch FSDP: FSDP2 `fully_shard` per Block plus the root; FSDP1
-                         `FullyShardedDataParallel(device_id=None)` only if FSDP2 fails.
-                         A peer that cannot run here is recorded with its exact error, no number.
+    zerokit stage 0  vs  torch DDP (gradient_as_bucket_view=True: grads live in the all-reduce
+                         buckets, as zerokit's live in its flat buffers; zerokit's bucket size)
+    zerokit stage 1  vs  torch ZeroRedundancyOptimizer over that DDP (parameters_as_bucket_view:
+                         DDP all-reduces the grads, each rank steps its own params, then
+                         broadcasts them per bucket: torch's ZeRO-1 recipe)
+    zerokit stage 2  vs  torch FSDP1 ShardingStrategy.SHARD_GRAD_OP, and torch DDP listed as a
+                         reference (replicated: not a stage-2 design, never the "fastest peer")
+    zerokit stage 3  vs  torch FSDP1 ShardingStrategy.FULL_SHARD and torch FSDP2 `fully_shard`
+                         (reshard_after_forward=True), two rows
 
-Every run is repeated `--rounds` times from fresh weights, odd rounds in reverse order, so
-slow drift of the machine favours neither side. Per run, round and rank: the time of every
-step (forward + backward + optimizer step + zero_grad, up to the loss read back to the host),
-the local loss of every step, and the model-state bytes this rank holds after the last
+Both FSDPs wrap the same units as zerokit's stage 3 (`wrap=(Block,)`): FSDP1 through
+`ModuleWrapPolicy({Block})` (the root holds the rest), FSDP2 by `fully_shard` on every Block
+and then on the root. FSDP1 runs with `use_orig_params=True`, since only then can AdamW keep
+the decay / no-decay groups (flat FlatParameters would mix both; the groups are chosen by
+parameter name before wrapping, as FSDP1's sharded views are 1-D), and with
+`device_id=torch.device("cpu")` on CPU: torch 2.13's FSDP1 refuses `device_id=None` without an
+accelerator ("FSDP needs a non-CPU accelerator device"). A peer that cannot run here is
+recorded with its exact error, no number.
+
+Step time. Every run is repeated `--rounds` times from fresh weights, odd rounds in reverse
+order, so slow drift of the machine favours neither side. Per run, round and rank: the time of
+every step (forward + backward + optimizer step + zero_grad, up to the loss read back to the
+host), the local loss of every step, and the model-state bytes this rank holds after the last
 optimizer step (zerokit: `engine.memory()`; torch: the storages of the local params, grads and
-optimizer states, counted once each; on CUDA also the allocator's peak). A row's step time is
-the median over every round's steps after its `--warmup`, on the slowest rank; tokens/s is the
-global batch (batch size x block size x ranks) divided by it; the loss check is the largest
-|zerokit loss - peer loss| over all steps, rounds and ranks. ZeroRedundancyOptimizer and FSDP
-may reduce in another order than zerokit, so they are held to a stated tolerance, not to
-equality (at 2 ranks they do agree bit for bit: a sum of two values has only one order).
+optimizer states, counted once each). A run's step time is the median over every round's steps
+after its `--warmup`, on the slowest rank; tokens/s is the global batch (batch size x block size
+x ranks) divided by it; the loss check is the largest |zerokit loss - peer loss| over all steps,
+rounds and ranks. ZeroRedundancyOptimizer and FSDP may reduce in another order than zerokit, so
+they are held to a stated tolerance, not to equality (at 2 ranks they do agree bit for bit: a
+sum of two values has only one order). Each stage's ratio is zerokit's time over its FASTEST
+peer's (the reference row excluded), and every pair's own ratio is listed too.
+
+Allocator bytes. After the timing rounds every run is built once more, untimed, and trained
+`--memory-warmup` + `--memory-steps` steps (the same loop body; the first steps create the
+optimizer states); over the last `--memory-steps` steps two figures per rank:
+
+    peak in a step         the most allocator bytes live at any moment inside a step
+    between steps          the bytes live at a step boundary (before the step's forward)
+
+both counted from just before the run's model is built, so that they hold the run's params,
+grads, optimizer states, buckets and caches, and not the batches or another run's leftovers.
+The table shows the largest peak over steps and ranks, and the largest over ranks of the median
+over boundaries. On CUDA they are `torch.cuda.max_memory_allocated` (its peak reset at every
+boundary) and `torch.cuda.memory_allocated`, minus what was allocated before the build.
+
+On CPU torch has no allocator counter to read from Python, so the run (model construction
+included) goes under `torch.profiler.profile(profile_memory=True)`, whose allocator events each
+carry c10's "Total Allocated", with a probe (a marker around a 4-byte allocation) just before
+the build and at every boundary. That counter has two faults for this purpose, both met here:
+(1) it is updated only on a thread where profiling is enabled, so frees (and allocations) made
+on gloo's worker threads are missing, and a collective's buffer whose last reference gloo drops
+stays counted (benchmarks/cpu_frees.py shows it); (2) it is one counter for the process, carried
+from one profiled run to the next. (2) is met by counting from the probe before the build; (1)
+by setting c10's `caffe2_report_cpu_memory_usage` flag for the pass (`_all_threads_counter`: the
+flag has no Python binding, so it is set through ctypes on libc10's global and put back after),
+under which c10 updates the counter for every thread's allocations and frees. The events are
+still recorded on the main thread only, so the counter is read at every main-thread allocator
+event and probe: a buffer that a gloo thread allocates and frees between two of those is not in
+a peak. Where the flag cannot be found (another build or platform), the figures fall back to a
+ledger of the main thread's own events, in which a block freed on another thread counts as live
+until its address is allocated again (the allocator cannot hand out a live address): upper
+bounds as to gloo's frees, labelled as such. With the flag, the JSON keeps that main-thread
+ledger beside the counter's figures (`main_thread`; `unseen_free_bytes`, the bytes found freed
+unseen by address reuse), which shows what fault (1) alone would have done to the numbers.
 
 torch's optimizers get `foreach=True`: on CPU their default is a Python loop over parameters,
 which would time torch's loop rather than its design (zerokit's sharded optimizer steps a few
@@ -36,7 +82,8 @@ flat buffers, so it has no such loop to lose). With `--precision bf16/fp16` only
 precision; the torch peers stay fp32, as in `zerokit compare`.
 
 With CUDA available the ranks use NCCL, one GPU each, and time with `torch.cuda.synchronize()`;
-results go to speed_vs_torch_cuda.*. Without it: gloo on CPU, speed_vs_torch_cpu.*.
+results go to speed_vs_torch_cuda.*. Without it: gloo on CPU, speed_vs_torch_cpu.*. Both through
+benchmarks/_results.py (`provenance`, `write_pair`): command, date, commit, machine, versions.
 
     python benchmarks/speed_vs_torch.py --peers plain --nproc 1 --model gpt2-medium --precision bf16 \
         --batch-size 8 --steps 15 --warmup 5 --rounds 2 --bucket-numel 4194304
@@ -54,14 +101,17 @@ groups and hyperparameters) over the model's parameters, `loss.backward()`, `opt
 
 under fp32 one, `torch fp32`. zerokit at world size 1 issues no collective, so the ratio is
 its per-step overhead (hooks, flat buffers, the sharded optimizer's fp32 master update) over
-torch's own loop. Results go through benchmarks/_results.py (`provenance`, `write_pair`) to
+torch's own loop. The allocator pass is off by default there (`--memory-steps` turns it on),
+so that its runs take the time they always did. Results go to
 speed_vs_torch_plain_<cpu | cuda>.json and .md.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
-import json
+import ctypes
+import gc
 import statistics
 import sys
 import time
@@ -85,15 +135,24 @@ from _results import command_line, git_commit, provenance, provenance_lines, wri
 FP32_LOSS_TOLERANCE = 1e-4
 MODEL_STATES = ("params", "grads", "master_params", "optimizer_states")
 ORDERED = {"default": None, "ordered": True, "native": False}  # --reduction -> zk.shard(ordered_reduction=)
-DDP, ZERO, FSDP = "torch DDP", "torch ZeroRedundancyOptimizer", "torch FSDP"
-# zerokit stage -> (peer, why this peer)
+DDP, ZERO = "torch DDP", "torch ZeroRedundancyOptimizer"
+FSDP1_GRAD_OP, FSDP1_FULL, FSDP2 = "torch FSDP1 SHARD_GRAD_OP", "torch FSDP1 FULL_SHARD", "torch FSDP2 fully_shard"
+FSDP = (FSDP1_GRAD_OP, FSDP1_FULL, FSDP2)
+# zerokit stage -> [(torch run, why it sits beside this stage)], one row each
 PEERS = {
-    0: (DDP, "same idea: replicated model, bucketed gradient all-reduce"),
-    1: (ZERO, "optimizer states sharded; torch shards whole params and broadcasts them after the step"),
-    2: (DDP, "torch has no stage-2 peer, so DDP stands in (FSDP's SHARD_GRAD_OP / reshard_after_forward=False "
-             "also keeps params sharded between steps, which ZeRO-2 does not)"),
-    3: (FSDP, "parameters sharded, one unit per Block plus the root"),
+    0: [(DDP, "same idea: replicated model, bucketed gradient all-reduce (gradient_as_bucket_view)")],
+    1: [(ZERO, "optimizer states sharded; torch shards whole params and broadcasts them (per bucket) after the "
+               "step")],
+    2: [(FSDP1_GRAD_OP, "grads and optimizer states sharded, params gathered per Block; unlike ZeRO-2, FSDP1 frees "
+                        "the gathered params after backward, so it also holds params sharded between steps"),
+        (DDP, "reference, not a peer: replicated params, grads and optimizer states (16 bytes/param), what "
+              "stage 2 is meant to save memory against")],
+    3: [(FSDP1_FULL, "parameters sharded, one unit per Block plus the root (FSDP1 FlatParameters, "
+                     "use_orig_params=True)"),
+        (FSDP2, "parameters sharded, fully_shard on every Block and then the root (per-parameter DTensor shards)")],
 }
+# listed beside a stage without being one of its peers: never its "fastest peer" nor its "lowest peer"
+REFERENCES = {(2, DDP)}
 # --peers plain: torch on one device, no wrapper (world size 1)
 PLAIN_FP32, PLAIN_AUTOCAST, PLAIN_BF16 = "torch fp32", "torch autocast bf16", "torch bf16 params"
 PLAIN = {
@@ -101,24 +160,36 @@ PLAIN = {
     PLAIN_AUTOCAST: "plain torch loop, fp32 params under torch.autocast(bfloat16): fp32 grads and AdamW states",
     PLAIN_BF16: "plain torch loop, model.to(bfloat16): bf16 params, grads and AdamW states, no fp32 master",
 }
+# CPU allocator pass: profiler markers at every step boundary and just before the run is built
+MARK, BASE = "zerokit.speed_vs_torch.boundary", "zerokit.speed_vs_torch.base"
+ALLOCATOR_CPU = ("torch.profiler(profile_memory=True) events' Total Allocated, with c10's "
+                 "caffe2_report_cpu_memory_usage set so that every thread's allocations and frees count")
+ALLOCATOR_CPU_MAIN = ("torch.profiler(profile_memory=True), main thread only: frees made on gloo's threads are not "
+                      "seen (benchmarks/cpu_frees.py), so an unseen free counts as live until its address is reused")
+ALLOCATOR_CUDA = "torch.cuda.max_memory_allocated (reset at every boundary) / torch.cuda.memory_allocated"
 
 
 def peers_for(stage: int, cfg: dict) -> list[tuple[str, str]]:
     """The torch runs a zerokit stage is compared with: (name, why), one pair each."""
     if cfg.get("peers", "default") != "plain":
-        return [PEERS[stage]]
+        return list(PEERS[stage])
     names = [PLAIN_FP32] if cfg["precision"] == "fp32" else [PLAIN_AUTOCAST, PLAIN_BF16]
     return [(name, PLAIN[name]) for name in names]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn (default 2)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn (default 2; 4 works on 2 cores, slowly)")
     p.add_argument("--model", default="small", help="model preset (default small)")
     p.add_argument("--steps", type=int, default=30, help="steps per run, warm-up included (default 30)")
     p.add_argument("--warmup", type=int, default=5, help="steps of each round left out of the median (default 5)")
     p.add_argument("--rounds", type=int, default=3,
                    help="times every run is repeated, from fresh weights, in alternating order (default 3)")
+    p.add_argument("--memory-steps", type=int, default=None,
+                   help="steps of the untimed allocator pass whose peak and boundaries are measured (default 3; "
+                        "0 with --peers plain; 0 skips the pass)")
+    p.add_argument("--memory-warmup", type=int, default=2,
+                   help="steps of the allocator pass before those, to create optimizer states (default 2)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="zerokit's precision; the torch peers always run fp32 (default fp32)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
@@ -130,14 +201,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "all-to-all + rank-order sum + all-gather, or the native all-reduce / reduce-scatter "
                         "(see zerokit/core/comm.py [Note: ordered reduction])")
     p.add_argument("--peers", default="default", choices=["default", "plain"],
-                   help="default: torch DDP / ZeroRedundancyOptimizer / FSDP on --nproc ranks; plain: torch on one "
-                        "device without a wrapper, in this process (needs --nproc 1; see the module docstring)")
+                   help="default: torch DDP / ZeroRedundancyOptimizer / FSDP1 / FSDP2 on --nproc ranks; plain: torch "
+                        "on one device without a wrapper, in this process (needs --nproc 1; see the module docstring)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800, help="seconds before the ranks are killed")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = p.parse_args(argv)
+    if args.memory_steps is None:
+        args.memory_steps = 0 if args.peers == "plain" else 3
     if min(args.nproc, args.steps, args.batch_size, args.rounds) < 1 or not 0 <= args.warmup < args.steps:
         p.error("--nproc, --steps, --batch-size, --rounds must be >= 1 and 0 <= --warmup < --steps")
+    if args.memory_steps < 0 or args.memory_warmup < 0:
+        p.error("--memory-steps and --memory-warmup must be >= 0")
     if args.peers == "plain" and args.nproc != 1:
         p.error("--peers plain compares world size 1 runs: pass --nproc 1")
     if args.peers == "plain" and args.precision == "fp16":
@@ -146,6 +221,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------- one rank
+# A run's builder makes the model and its wrapper and returns (train_step, zero_grad, memory):
+# `train_step(x, y)` runs forward, backward and the optimizer step and returns the loss;
+# `zero_grad()` ends the step; `memory()` counts the model-state bytes this rank holds.
+Loop = tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], Callable[[], None], Callable[[], dict]]
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's piece of a tensor: the local shard of an FSDP2 DTensor, else the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -162,11 +243,35 @@ def _torch_memory(params: list[torch.nn.Parameter], state: dict) -> dict[str, in
     }
 
 
-def _param_groups(model: torch.nn.Module) -> list[dict]:
-    """The same decay / no-decay split as zerokit's `param_groups=_no_decay`."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if not _no_decay("", p)]},
-            {"params": [p for p in params if _no_decay("", p)], "weight_decay": 0.0}]
+def _clean(name: str) -> str:
+    """A parameter's name without FSDP1's wrapper prefixes."""
+    return name.replace("_fsdp_wrapped_module.", "")
+
+
+def _no_decay_names(model: torch.nn.Module) -> set[str]:
+    """zerokit's `param_groups=_no_decay` split (biases, LayerNorms), by name, taken before any wrapping."""
+    return {_clean(n) for n, p in model.named_parameters() if _no_decay(n, p)}
+
+
+def _param_groups(model: torch.nn.Module, no_decay: set[str] | None = None) -> list[dict]:
+    """The same decay / no-decay split as zerokit's `param_groups=_no_decay`, by the names in `no_decay`.
+
+    The names come from the unwrapped model: FSDP1's sharded parameters are 1-D views, so the
+    split cannot be read from their shapes after wrapping.
+    """
+    no_decay = _no_decay_names(model) if no_decay is None else no_decay
+    named = [(_clean(n), p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for n, p in named if n not in no_decay]},
+            {"params": [p for n, p in named if n in no_decay], "weight_decay": 0.0}]
+
+
+def _batches(cfg: dict, rank: int, world_size: int, device: torch.device, n: int) -> list[tuple]:
+    """The first `n` batches of this rank, on the device: the same for every run."""
+    from zerokit.models import CharCorpus
+
+    corpus = CharCorpus.load()
+    return [tuple(t.to(device) for t in corpus.batch(cfg["batch_size"], cfg["block_size"], i, rank, world_size))
+            for i in range(n)]
 
 
 def _timed_steps(cfg: dict, rank: int, world_size: int, device: torch.device,
@@ -180,12 +285,8 @@ def _timed_steps(cfg: dict, rank: int, world_size: int, device: torch.device,
     step and before its zero_grad, so that gradients count for every run alike (FSDP frees its
     sharded grads at zero_grad; zerokit and DDP keep theirs in flat buffers).
     """
-    from zerokit.models import CharCorpus
-
-    corpus = CharCorpus.load()
-    block = cfg["block_size"]
-    batches = [tuple(t.to(device) for t in corpus.batch(cfg["batch_size"], block, i, rank, world_size))
-               for i in range(cfg["steps"])]  # made before timing: data loading is not what is compared
+    # made before timing: data loading is not what is compared
+    batches = _batches(cfg, rank, world_size, device, cfg["steps"])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     losses, times, held = [], [], {}
@@ -208,6 +309,153 @@ def _timed_steps(cfg: dict, rank: int, world_size: int, device: torch.device,
     return {"losses": losses, "step_ms": times, "peak_bytes": peak, "memory": held}
 
 
+@contextlib.contextmanager
+def _all_threads_counter():
+    """Make c10's CPU allocator count every thread's allocations and frees; yield whether it could.
+
+    c10's `ProfiledCPUMemoryReporter` keeps the "Total Allocated" that torch.profiler attaches to
+    each allocator event, but updates it only on a thread where profiling is enabled, unless
+    c10's flag `caffe2_report_cpu_memory_usage` is set: then every thread's allocations and frees
+    (gloo's included) go into it, while the events are still recorded on this thread only. The
+    flag has no Python binding; it is the global `FLAGS_caffe2_report_cpu_memory_usage` of
+    libc10, set here through ctypes, and put back afterwards. While it is set, c10's log level is
+    raised to ERROR: each thousandth free of a block allocated before the flag was set logs a
+    warning that does not apply here (such frees are not counted, as they should not be).
+    """
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))
+        flag = ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
+        level = ctypes.c_int.in_dll(lib, "FLAGS_caffe2_log_level")
+    except (OSError, ValueError):  # another platform or build: the events' own thread only
+        yield False
+        return
+    before = flag.value, level.value
+    flag.value, level.value = True, max(level.value, 2)
+    try:
+        yield True
+    finally:
+        flag.value, level.value = before
+
+
+def _probe(name: str) -> None:
+    """A marker with one 4-byte allocation inside, so that the counter is read at this point of the step."""
+    from torch.profiler import record_function
+
+    with record_function(name):
+        torch.empty(1)
+
+
+def _allocator_from_profile(prof, all_threads: bool) -> dict:
+    """Bytes at every MARK and the most between consecutive MARKs, from the profiler's allocator events.
+
+    Two readings of the same events, both counted from the BASE probe (just before the build):
+
+    - all threads (when `all_threads`): c10's counter, exact for every thread, read at each
+      probe and at every allocator event of this thread (so a gloo-thread allocation that comes
+      and goes between two of this thread's events is not seen in a peak);
+    - main thread: a ledger of this thread's allocations and frees. A free made on another
+      thread has no event, so the block stays live until its address is allocated again (the
+      allocator cannot hand out a live address, so a second allocation there proves the free);
+      the bytes found that way in the measured steps are `unseen_free_bytes`.
+    """
+    events, probes = [], []
+
+    def walk(node, probe):
+        try:
+            name = node.name
+        except UnicodeDecodeError:  # a name the profiler could not decode: not one of ours
+            name = ""
+        if type(node.extra_fields).__name__ == "_ExtraFields_Allocation":
+            f = node.extra_fields
+            if probe is None:
+                events.append((node.start_time_ns, f.ptr, f.alloc_size, f.total_allocated))
+            elif f.alloc_size > 0:
+                probes.append((node.start_time_ns, probe, f.total_allocated - f.alloc_size))
+        for child in node.children:
+            walk(child, name if name in (MARK, BASE) else probe)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, None)
+    events.sort()  # by time; at one instant, a free (negative size) before an allocation at its address
+    probes.sort()
+    base = next(value for _, name, value in probes if name == BASE)
+    marks = [(t, value - base) for t, name, value in probes if name == MARK]
+    counter_peaks, boundaries, peaks = [], [], []
+    live: dict[int, int] = {}
+    total = peak = unseen = i = 0
+    for k, (mark, counted) in enumerate(marks):
+        top = marks[k - 1][1] if k else 0
+        while i < len(events) and events[i][0] <= mark:
+            _, ptr, size, counter = events[i]
+            i += 1
+            top = max(top, counter - base)
+            if size > 0:
+                if ptr in live:  # freed where the profiler could not see it
+                    total -= live[ptr]
+                    unseen += live[ptr] if k else 0
+                live[ptr] = size
+                total += size
+            elif size < 0 and ptr in live:
+                total -= live.pop(ptr)
+            peak = max(peak, total)
+        if k:
+            counter_peaks.append(max(top, counted))
+            peaks.append(peak)
+        boundaries.append(total)
+        peak = total
+    main = {"between_steps_bytes": boundaries, "peak_step_bytes": peaks, "unseen_free_bytes": unseen}
+    if not all_threads:
+        return {"method": ALLOCATOR_CPU_MAIN, **main}
+    return {"method": ALLOCATOR_CPU, "between_steps_bytes": [c for _, c in marks], "peak_step_bytes": counter_peaks,
+            "unseen_free_bytes": unseen, "main_thread": main}
+
+
+def _allocator_steps(cfg: dict, rank: int, world_size: int, device: torch.device, build: Callable[[], Loop]) -> dict:
+    """The untimed allocator pass: build the run afresh, train warm-up + measured steps, and read its bytes.
+
+    Measured: the bytes live at each boundary of the measured steps (before each one, and after
+    the last) and the most live inside each of them, counted from just before `build()`. On CUDA
+    from the caching allocator's counters; on CPU from torch.profiler's events
+    (`_allocator_from_profile`, with the limitations stated in the module docstring).
+    """
+    warm, n = cfg["memory_warmup"], cfg["memory_steps"]
+    batches = _batches(cfg, rank, world_size, device, warm + n)
+    gc.collect()  # an earlier run's cycles, freed now rather than inside this one
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        train_step, zero_grad, _ = build()
+        boundaries, peaks = [], []
+        for i, batch in enumerate(batches + [None]):
+            torch.cuda.synchronize(device)
+            if i >= warm:
+                if i > warm:
+                    peaks.append(torch.cuda.max_memory_allocated(device) - base)
+                boundaries.append(torch.cuda.memory_allocated(device) - base)
+                torch.cuda.reset_peak_memory_stats(device)
+            if batch is None:
+                break
+            loss = train_step(*batch)
+            zero_grad()
+            float(loss.detach())
+        return {"method": ALLOCATOR_CUDA, "between_steps_bytes": boundaries, "peak_step_bytes": peaks,
+                "unseen_free_bytes": 0}
+    from torch.profiler import ProfilerActivity, profile
+
+    with _all_threads_counter() as all_threads, \
+            profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _probe(BASE)
+        train_step, zero_grad, _ = build()
+        for i, (x, y) in enumerate(batches):
+            if i >= warm:
+                _probe(MARK)
+            loss = train_step(x, y)
+            zero_grad()
+            float(loss.detach())
+        _probe(MARK)
+    return _allocator_from_profile(prof, all_threads)
+
+
 _INITIAL: dict[tuple[str, int], torch.nn.Module] = {}
 
 
@@ -228,7 +476,7 @@ def _initial_model(cfg: dict) -> torch.nn.Module:
     return copy.deepcopy(_INITIAL[key])
 
 
-def _run_zerokit(rank: int, world_size: int, cfg: dict, device: torch.device, stage: int) -> dict:
+def _zerokit(cfg: dict, device: torch.device, stage: int) -> Loop:
     import zerokit as zk
     from zerokit.commands.step import train_step
     from zerokit.models import Block
@@ -241,18 +489,15 @@ def _run_zerokit(rank: int, world_size: int, cfg: dict, device: torch.device, st
     def step(x, y):  # zerokit's one step, zero_grad first (commands/step.py): nothing left to end the step
         return train_step(engine, [(x, y)], lambda batch: engine(*batch)[1]).loss
 
-    return _timed_steps(cfg, rank, world_size, device, step, lambda: None,
-                        lambda: {c: engine.memory().get(c, 0) for c in MODEL_STATES})
+    return step, lambda: None, lambda: {c: engine.memory().get(c, 0) for c in MODEL_STATES}
 
 
-def _run_torch_ddp(rank: int, world_size: int, cfg: dict, device: torch.device, zero: bool) -> dict:
+def _torch_ddp(cfg: dict, device: torch.device, zero: bool) -> Loop:
     """torch DDP; with `zero`, ZeroRedundancyOptimizer over it (torch's documented ZeRO-1 recipe)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    from zerokit.models import build_model
-
-    model = build_model(cfg["model"], seed=cfg["seed"]).to(device)
+    model = _initial_model(cfg).to(device)
     # gradient_as_bucket_view: grads live in the all-reduce buckets, as zerokit's live in its
     # flat buffers (no copy after the all-reduce); the bucket size is zerokit's.
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -273,12 +518,11 @@ def _run_torch_ddp(rank: int, world_size: int, cfg: dict, device: torch.device, 
         return loss
 
     # ZeroRedundancyOptimizer keeps this rank's states in its local optimizer
-    return _timed_steps(cfg, rank, world_size, device, train_step,
-                        lambda: opt.zero_grad(set_to_none=False),  # keep the grads as bucket views
-                        lambda: _torch_memory(list(model.parameters()), opt.optim.state if zero else opt.state))
+    return (train_step, lambda: opt.zero_grad(set_to_none=False),  # keep the grads as bucket views
+            lambda: _torch_memory(list(model.parameters()), opt.optim.state if zero else opt.state))
 
 
-def _run_torch_plain(rank: int, world_size: int, cfg: dict, device: torch.device, variant: str) -> dict:
+def _torch_plain(cfg: dict, device: torch.device, variant: str) -> Loop:
     """Plain torch on one device: AdamW over the model's parameters, the loop a user writes without zerokit."""
     model = _initial_model(cfg).to(device)
     if variant == PLAIN_BF16:
@@ -293,8 +537,7 @@ def _run_torch_plain(rank: int, world_size: int, cfg: dict, device: torch.device
         opt.step()
         return loss
 
-    return _timed_steps(cfg, rank, world_size, device, train_step, opt.zero_grad,
-                        lambda: _torch_memory(list(model.parameters()), opt.state))
+    return train_step, opt.zero_grad, lambda: _torch_memory(list(model.parameters()), opt.state)
 
 
 def _fsdp2(model: torch.nn.Module, world_size: int, device: torch.device) -> torch.nn.Module:
@@ -308,76 +551,118 @@ def _fsdp2(model: torch.nn.Module, world_size: int, device: torch.device) -> tor
     return fully_shard(model, mesh=mesh)
 
 
-def _fsdp1(model: torch.nn.Module, world_size: int, device: torch.device) -> torch.nn.Module:
-    """FSDP1: FullyShardedDataParallel with one unit per Block; device_id=None on CPU."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
+def _fsdp1(model: torch.nn.Module, device: torch.device, strategy: str) -> torch.nn.Module:
+    """FSDP1: FullyShardedDataParallel with one unit per Block, the given ShardingStrategy.
+
+    `device_id` is the rank's device on CPU too: torch 2.13's FSDP1 refuses device_id=None
+    when no accelerator is present. `use_orig_params=True` keeps one optimizer parameter per
+    model parameter, so that AdamW can hold the decay / no-decay groups.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from zerokit.models import Block
 
     return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
-                                    device_id=device.index if device.type == "cuda" else None)
+                                    sharding_strategy=getattr(ShardingStrategy, strategy), use_orig_params=True,
+                                    device_id=device)
 
 
-def _run_torch_fsdp(rank: int, world_size: int, cfg: dict, device: torch.device) -> dict:
-    """FSDP2, or FSDP1 if FSDP2 fails (to wrap or to train); if both fail, their exact errors instead of a time."""
-    from zerokit.models import build_model
+def _torch_fsdp(cfg: dict, world_size: int, device: torch.device, variant: str) -> Loop:
+    """FSDP1 (SHARD_GRAD_OP or FULL_SHARD) or FSDP2 over the model, AdamW over its local shards."""
+    model = _initial_model(cfg).to(device)
+    no_decay = _no_decay_names(model)
+    if variant == FSDP2:
+        wrapped = _fsdp2(model, world_size, device)
+    else:
+        wrapped = _fsdp1(model, device, "SHARD_GRAD_OP" if variant == FSDP1_GRAD_OP else "FULL_SHARD")
+    # parameters() after wrapping: FSDP2's are DTensor shards, FSDP1's views of its flat shards
+    opt = torch.optim.AdamW(_param_groups(wrapped, no_decay), lr=cfg["lr"], weight_decay=0.1, foreach=True)
 
-    errors = []
-    for variant, wrap in (("FSDP2 fully_shard", _fsdp2), ("FSDP1 FullyShardedDataParallel", _fsdp1)):
-        try:
-            wrapped = wrap(build_model(cfg["model"], seed=cfg["seed"]).to(device), world_size, device)
-            # parameters() after wrapping: FSDP2's are DTensor shards, FSDP1's flat shards
-            opt = torch.optim.AdamW(_param_groups(wrapped), lr=cfg["lr"], weight_decay=0.1, foreach=True)
+    def train_step(x, y):
+        _, loss = wrapped(x, y)
+        loss.backward()
+        opt.step()
+        return loss
 
-            def train_step(x, y, wrapped=wrapped, opt=opt):
-                _, loss = wrapped(x, y)
-                loss.backward()
-                opt.step()
-                return loss
+    # zero_grad sets grads to None: FSDP's reduce-scatter makes fresh sharded grads every step
+    return train_step, opt.zero_grad, lambda: _torch_memory(list(wrapped.parameters()), opt.state)
 
-            # zero_grad sets grads to None: FSDP's reduce-scatter makes fresh sharded grads every step
-            out = _timed_steps(cfg, rank, world_size, device, train_step, opt.zero_grad,
-                               lambda: _torch_memory(list(wrapped.parameters()), opt.state))
-        except Exception as exc:  # recorded in the results (the fallback's reason, or the row's)
-            errors.append(f"{variant}: {type(exc).__name__}: {exc}")
-            continue
-        out["variant"], out["fallback_errors"] = variant, errors
-        return out
-    return {"error": "; ".join(errors)}
+
+def _builder(name: str, cfg: dict, world_size: int, device: torch.device) -> Callable[[], Loop]:
+    """The function that builds run `name` afresh (from the initial weights) on this rank."""
+    if name.startswith("zerokit stage "):
+        return lambda: _zerokit(cfg, device, int(name.rsplit(" ", 1)[1]))
+    if name in PLAIN:
+        return lambda: _torch_plain(cfg, device, name)
+    if name in FSDP:
+        return lambda: _torch_fsdp(cfg, world_size, device, name)
+    return lambda: _torch_ddp(cfg, device, zero=name == ZERO)
+
+
+def _guarded(name: str, fn: Callable[[], dict]) -> dict:
+    """A torch peer's result, or its exact error if it cannot run here; zerokit's errors are raised."""
+    if name.startswith("zerokit"):
+        return fn()
+    try:
+        return fn()
+    except Exception as exc:  # recorded in the results, in place of a number
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def speed_rank(rank: int, world_size: int, cfg: dict) -> dict[str, list[dict]]:
     """Every run on this rank, `rounds` times: name -> one result per round.
 
-    Each zerokit stage runs right beside its peer, and odd rounds go through the list
+    Each zerokit stage runs right beside its peers, and odd rounds go through the list
     backwards, so that a machine slowly warming up (or a neighbour's load) favours neither side.
+    Then, unless `memory_steps` is 0, each run that timed without error once more through the
+    allocator pass, its figures under the first round's "allocator".
     """
     device = torch.device("cuda", rank) if cfg["device"] == "cuda" else torch.device("cpu")
-    order: dict[str, Callable[[], dict]] = {}
+    order: dict[str, Callable[[], Loop]] = {}
     for stage in cfg["stages"]:
-        order[f"zerokit stage {stage}"] = lambda stage=stage: _run_zerokit(rank, world_size, cfg, device, stage)
+        order[f"zerokit stage {stage}"] = _builder(f"zerokit stage {stage}", cfg, world_size, device)
         for peer, _ in peers_for(stage, cfg):
-            if peer in PLAIN:
-                order.setdefault(peer, lambda peer=peer: _run_torch_plain(rank, world_size, cfg, device, peer))
-            elif peer == FSDP:
-                order.setdefault(peer, lambda: _run_torch_fsdp(rank, world_size, cfg, device))
-            else:
-                order.setdefault(peer, lambda zero=peer == ZERO: _run_torch_ddp(rank, world_size, cfg, device, zero))
+            order.setdefault(peer, _builder(peer, cfg, world_size, device))
     runs: dict[str, list[dict]] = {name: [] for name in order}
     for round_index in range(cfg["rounds"]):
         names = list(order) if round_index % 2 == 0 else list(reversed(order))
         for name in names:
-            runs[name].append(order[name]())
+            runs[name].append(_guarded(name, lambda: _timed_steps(cfg, rank, world_size, device, *order[name]())))
+    if cfg.get("memory_steps", 0) > 0:
+        for name in order:
+            if "error" not in runs[name][0]:
+                runs[name][0]["allocator"] = _guarded(
+                    name, lambda: _allocator_steps(cfg, rank, world_size, device, order[name]))
     return runs
 
 
 # ----------------------------------------------------------------------------- the parent
+def _allocator_summary(ranks: list[dict | None]) -> dict | None:
+    """One run's allocator figures over ranks: the largest peak, the largest median boundary."""
+    if any(r is None for r in ranks):
+        return None
+    errors = [r["error"] for r in ranks if "error" in r]
+    if errors:
+        return {"error": errors[0]}
+    return {"method": ranks[0]["method"],
+            "peak_step_bytes": max(max(r["peak_step_bytes"]) for r in ranks),
+            "between_steps_bytes": max(int(statistics.median(r["between_steps_bytes"])) for r in ranks),
+            "unseen_free_bytes": max(r["unseen_free_bytes"] for r in ranks),
+            "per_rank": ranks}
+
+
+def _bytes_of(run: dict, key: str) -> int | None:
+    alloc = run.get("allocator")
+    return None if not alloc or "error" in alloc else alloc[key]
+
+
 def summarize(per_rank: list[dict[str, list[dict]]], cfg: dict) -> dict:
-    """Runs (all ranks' and rounds' numbers) and one pair per zerokit stage: ms, ratio, tokens/s, |Δloss|, bytes.
+    """Runs (all ranks' and rounds' numbers), one pair per (stage, peer), one line per stage.
 
     A run's step time is the median of its timed steps (every round's, after each round's
-    warm-up) on each rank, then the largest over ranks: the slowest rank sets the pace.
+    warm-up) on each rank, then the largest over ranks: the slowest rank sets the pace. A stage's
+    line sets zerokit beside its fastest peer (references aside) and its lowest-peak peer.
     """
     tokens_per_step = cfg["batch_size"] * cfg["block_size"] * cfg["nproc"]
     runs = {}
@@ -395,7 +680,7 @@ def summarize(per_rank: list[dict[str, list[dict]]], cfg: dict) -> dict:
             "losses": [[rnd["losses"] for rnd in rounds] for rounds in ranks],  # [rank][round][step]
             "memory": [rounds[0]["memory"] for rounds in ranks],  # [rank]
             "peak_bytes": [rounds[0]["peak_bytes"] for rounds in ranks],  # [rank], CUDA only
-            **({k: first[k] for k in ("variant", "fallback_errors") if k in first}),  # FSDP only
+            "allocator": _allocator_summary([rounds[0].get("allocator") for rounds in ranks]),
         }
     pairs = []
     for stage in cfg["stages"]:
@@ -403,43 +688,111 @@ def summarize(per_rank: list[dict[str, list[dict]]], cfg: dict) -> dict:
             name = f"zerokit stage {stage}"
             zk_run, peer_run = runs[name], runs[peer]
             pair = {"stage": stage, "zerokit": name, "peer": peer, "note": note,
+                    "role": "reference" if (stage, peer) in REFERENCES else "peer",
                     "zerokit_ms": zk_run["step_ms_median"], "zerokit_tokens_per_s": zk_run["tokens_per_s"],
                     "zerokit_memory": zk_run["memory"][0], "peer_ms": None, "peer_tokens_per_s": None, "ratio": None,
                     "peer_memory": None, "max_abs_loss_diff": None, "loss_tolerance": None,
-                    "loss_within_tolerance": None, "peer_error": peer_run.get("error")}
+                    "loss_within_tolerance": None, "peer_error": peer_run.get("error"),
+                    "zerokit_peak_step_bytes": _bytes_of(zk_run, "peak_step_bytes"),
+                    "zerokit_between_steps_bytes": _bytes_of(zk_run, "between_steps_bytes"),
+                    "peer_peak_step_bytes": _bytes_of(peer_run, "peak_step_bytes"),
+                    "peer_between_steps_bytes": _bytes_of(peer_run, "between_steps_bytes")}
             if "error" not in peer_run:
                 diff = max(abs(a - b) for zk_rounds, peer_rounds in zip(zk_run["losses"], peer_run["losses"])
                            for zr, pr in zip(zk_rounds, peer_rounds) for a, b in zip(zr, pr))
                 tolerance = FP32_LOSS_TOLERANCE if cfg["precision"] == "fp32" else None
-                pair.update(peer=f"{peer} ({peer_run['variant']})" if "variant" in peer_run else peer,
-                            peer_ms=peer_run["step_ms_median"], peer_tokens_per_s=peer_run["tokens_per_s"],
+                pair.update(peer_ms=peer_run["step_ms_median"], peer_tokens_per_s=peer_run["tokens_per_s"],
                             ratio=zk_run["step_ms_median"] / peer_run["step_ms_median"],
                             peer_memory=peer_run["memory"][0], max_abs_loss_diff=diff, loss_tolerance=tolerance,
                             loss_within_tolerance=None if tolerance is None else bool(diff <= tolerance))
             pairs.append(pair)
-    return {"runs": runs, "pairs": pairs}
+    return {"runs": runs, "pairs": pairs, "stages": stage_lines(pairs)}
+
+
+def stage_lines(pairs: list[dict]) -> list[dict]:
+    """Per stage: zerokit against its fastest peer (step time) and its lowest peer (peak bytes in a step).
+
+    References (DDP beside stage 2) and peers that did not run are never chosen; the ratio of
+    every pair is listed as well.
+    """
+    lines = []
+    for stage in dict.fromkeys(p["stage"] for p in pairs):
+        mine = [p for p in pairs if p["stage"] == stage]
+        ran = [p for p in mine if p["role"] == "peer" and p["peer_ms"] is not None]
+        fastest = min(ran, key=lambda p: p["peer_ms"]) if ran else None
+        measured = [p for p in ran if p["peer_peak_step_bytes"] is not None]
+        lowest = min(measured, key=lambda p: p["peer_peak_step_bytes"]) if measured else None
+        zk_peak = mine[0]["zerokit_peak_step_bytes"]
+        lines.append({
+            "stage": stage, "zerokit": mine[0]["zerokit"], "zerokit_ms": mine[0]["zerokit_ms"],
+            "fastest_peer": fastest and fastest["peer"], "fastest_peer_ms": fastest and fastest["peer_ms"],
+            "ratio_vs_fastest": fastest and fastest["ratio"],
+            "max_abs_loss_diff": fastest and fastest["max_abs_loss_diff"],
+            "ratios": {p["peer"]: p["ratio"] for p in mine},  # every pair's, references and errors (None) too
+            "zerokit_peak_step_bytes": zk_peak,
+            "zerokit_between_steps_bytes": mine[0]["zerokit_between_steps_bytes"],
+            "lowest_peak_peer": lowest and lowest["peer"],
+            "lowest_peer_peak_step_bytes": lowest and lowest["peer_peak_step_bytes"],
+            "lowest_peer_between_steps_bytes": lowest and lowest["peer_between_steps_bytes"],
+            "peak_at_most_lowest_peer": None if lowest is None or zk_peak is None
+            else bool(zk_peak <= lowest["peer_peak_step_bytes"]),
+        })
+    return lines
 
 
 def _kb(memory: dict | None, keys: tuple[str, ...]) -> str:
     return "-" if memory is None else f"{sum(memory[k] for k in keys) / 1e3:,.1f}"
 
 
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e6:,.2f}"
+
+
+def _short(peer: str) -> str:
+    return peer.removeprefix("torch ")
+
+
 def table(pairs: list[dict]) -> list[str]:
-    """The markdown table, one row per pair; KB = 1000 bytes, rank 0's."""
+    """The markdown table, one row per pair; KB = 1000 bytes, rank 0's; allocator MB = 10^6 bytes, when measured."""
+    allocator = any(p.get("zerokit_peak_step_bytes") is not None for p in pairs)
     rows = ["| zerokit | torch peer | zerokit ms | peer ms | ratio (zk/peer) | zerokit tok/s | peer tok/s "
-            "| max abs Δloss | opt states KB (zk / peer) | model states KB (zk / peer) |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| max abs Δloss | opt states KB (zk / peer) | model states KB (zk / peer) |"
+            + (" peak MB in a step (zk / peer) | MB between steps (zk / peer) |" if allocator else ""),
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if allocator else "")]
     for p in pairs:
         if p["peer_error"]:
             peer_ms = ratio = peer_tps = loss = "-"
         else:
             peer_ms, ratio = f"{p['peer_ms']:.1f}", f"{p['ratio']:.2f}"
             peer_tps, loss = f"{p['peer_tokens_per_s']:,.0f}", f"{p['max_abs_loss_diff']:.1e}"
-        rows.append(f"| {p['zerokit']} | {p['peer']} | {p['zerokit_ms']:.1f} | {peer_ms} | {ratio} "
-                    f"| {p['zerokit_tokens_per_s']:,.0f} | {peer_tps} | {loss} "
-                    f"| {_kb(p['zerokit_memory'], ('optimizer_states',))} / "
-                    f"{_kb(p['peer_memory'], ('optimizer_states',))} "
-                    f"| {_kb(p['zerokit_memory'], MODEL_STATES)} / {_kb(p['peer_memory'], MODEL_STATES)} |")
+        peer = p["peer"] + (" (reference)" if p.get("role") == "reference" else "")
+        row = (f"| {p['zerokit']} | {peer} | {p['zerokit_ms']:.1f} | {peer_ms} | {ratio} "
+               f"| {p['zerokit_tokens_per_s']:,.0f} | {peer_tps} | {loss} "
+               f"| {_kb(p['zerokit_memory'], ('optimizer_states',))} / "
+               f"{_kb(p['peer_memory'], ('optimizer_states',))} "
+               f"| {_kb(p['zerokit_memory'], MODEL_STATES)} / {_kb(p['peer_memory'], MODEL_STATES)} |")
+        if allocator:
+            row += (f" {_mb(p['zerokit_peak_step_bytes'])} / {_mb(p['peer_peak_step_bytes'])} "
+                    f"| {_mb(p['zerokit_between_steps_bytes'])} / {_mb(p['peer_between_steps_bytes'])} |")
+        rows.append(row)
+    return rows
+
+
+def stage_table(lines: list[dict]) -> list[str]:
+    """The summary: per stage, the ratio against the fastest peer, every pair's ratio, bytes against the lowest peer."""
+    rows = ["| zerokit | fastest peer at that stage | zerokit ms | peer ms | step time ratio (zk / fastest) "
+            "| every pair's ratio | peak MB in a step (zk / lowest peer) | MB between steps (zk / that peer) |",
+            "|---|---|---:|---:|---:|---|---:|---:|"]
+    for s in lines:
+        ratios = ", ".join(f"{_short(peer)} {'-' if r is None else f'{r:.2f}'}" for peer, r in s["ratios"].items())
+        if s["fastest_peer"] is None:
+            fastest, peer_ms, ratio = "none ran", "-", "-"
+        else:
+            fastest, peer_ms, ratio = s["fastest_peer"], f"{s['fastest_peer_ms']:.1f}", f"{s['ratio_vs_fastest']:.2f}"
+        low = f" ({_short(s['lowest_peak_peer'])})" if s["lowest_peak_peer"] else ""
+        rows.append(f"| {s['zerokit']} | {fastest} | {s['zerokit_ms']:.1f} | {peer_ms} | {ratio} | {ratios} "
+                    f"| {_mb(s['zerokit_peak_step_bytes'])} / {_mb(s['lowest_peer_peak_step_bytes'])}{low} "
+                    f"| {_mb(s['zerokit_between_steps_bytes'])} / {_mb(s['lowest_peer_between_steps_bytes'])} |")
     return rows
 
 
@@ -453,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{torch.cuda.device_count()} visible")
     commit = git_commit()  # taken before the run: the code that produced the numbers
     plain = args.peers == "plain"
-    prov = provenance(command_line(__file__, argv)) if plain else None  # likewise, before the run
+    prov = provenance(command_line(__file__, argv))  # likewise, before the run
     stages, skipped = available_stages([0, 1, 2, 3])
     for stage, why in skipped.items():
         print(f"zerokit stage {stage} skipped: {why}")
@@ -461,6 +814,7 @@ def main(argv: list[str] | None = None) -> int:
            "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "precision": args.precision,
            "batch_size": args.batch_size, "lr": args.lr, "bucket_numel": args.bucket_numel, "seed": args.seed,
            "stages": stages, "device": device, "reduction": args.reduction, "peers": args.peers,
+           "memory_steps": args.memory_steps, "memory_warmup": args.memory_warmup,
            # what --reduction default means here: core/comm.py orders the sum on gloo, not on NCCL
            "reduction_used": {"default": "ordered" if device == "cpu" else "native"}.get(args.reduction,
                                                                                           args.reduction)}
@@ -485,40 +839,35 @@ def main(argv: list[str] | None = None) -> int:
                                      None)
     except OSError:
         meta["cpu_model"] = None
-    record = {"meta": meta, "config": cfg, "skipped_stages": {str(k): v for k, v in skipped.items()}, **result}
-    if plain:
-        record = {"provenance": prov, **record}
+    record = {"provenance": prov, "meta": meta, "config": cfg,
+              "skipped_stages": {str(k): v for k, v in skipped.items()}, **result}
 
     backend = "NCCL" if device == "cuda" else "gloo"
-    lines = table(result["pairs"])
     print(f"{'one process, no process group' if plain else f'{args.nproc} {backend} rank(s)'}, model {args.model}, "
           f"{args.rounds} rounds of {args.steps} steps ({args.warmup} warm-up) of "
           f"{args.batch_size}x{cfg['block_size']} tokens per rank, AdamW; zerokit {args.precision}, "
           + ("peers: " + ", ".join(peer for peer, _ in peers_for(stages[0], cfg)) if plain and stages
              else "torch fp32"))
-    print("\n".join(lines))
-    for p in result["pairs"]:
-        if p["peer_error"]:
-            print(f"{p['peer']} did not run: {p['peer_error']}")
+    if not plain:
+        print("\n".join(stage_table(result["stages"])) + "\n")
+    print("\n".join(table(result["pairs"])))
+    for name, run in result["runs"].items():
+        if "error" in run:
+            print(f"{name} did not run: {run['error']}")
+        elif run["allocator"] and "error" in run["allocator"]:
+            print(f"{name}: allocator pass failed: {run['allocator']['error']}")
 
-    if plain:
-        write_pair(args.out / f"speed_vs_torch_plain_{device}", record, "\n".join(markdown(record)) + "\n")
-        return 0
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = args.out / f"speed_vs_torch_{device}.json", args.out / f"speed_vs_torch_{device}.md"
-    json_path.write_text(json.dumps(record, indent=2) + "\n")
-    md_path.write_text("\n".join(markdown(record)) + "\n")
-    print(f"wrote {json_path} and {md_path} ({meta['seconds']} s)")
+    stem = f"speed_vs_torch_plain_{device}" if plain else f"speed_vs_torch_{device}"
+    write_pair(args.out / stem, record, "\n".join(markdown(record)) + "\n")
+    print(f"({meta['seconds']} s)")
     return 0
 
 
 def markdown(record: dict) -> list[str]:
-    """The results page: provenance, the table, what each column means and what it does not show."""
+    """The results page: provenance, the tables, what each column means and what it does not show."""
     meta, cfg = record["meta"], record["config"]
-    hw = meta["cpu_model"] or meta["processor"]
-    if meta["cuda"]:
-        hw += f", GPU: {meta['cuda']}"
-    if "provenance" in record:  # --peers plain: written through benchmarks/_results.py
+    allocator = cfg.get("memory_steps", 0) > 0
+    if cfg.get("peers", "default") == "plain":
         head = [f"# zerokit vs plain torch: step time at world size 1 ({cfg['device']})", "",
                 *provenance_lines(record["provenance"]), f"- total: {meta['seconds']} s",
                 f"- setup: one process, no process group (world size 1: zerokit issues no collective), model "
@@ -529,20 +878,19 @@ def markdown(record: dict) -> list[str]:
                 + (" (bf16 params and grads, fp32 master and AdamW states)" if cfg["precision"] == "bf16" else "")
                 + "; torch: `torch.optim.AdamW(..., foreach=True)` over the model's parameters, `loss.backward()`, "
                 "`opt.step()`, `opt.zero_grad()` (set_to_none)", ""]
+        summary = []
     else:
-        head = [f"# zerokit vs torch: step time ({cfg['device']})", "",
-                f"- command (from the repository root): `{meta['command']}`",
-                f"- date: {meta['date']} ({meta['seconds']} s)",
-                f"- commit: {meta.get('commit', 'not recorded')}",
-                f"- hardware: {hw}, {meta['cpu_count']} CPU cores; {meta['platform']}",
-                f"- versions: Python {meta['python']}, torch {meta['torch']}",
+        head = [f"# zerokit vs torch: step time and allocator bytes ({cfg['device']})", "",
+                *provenance_lines(record["provenance"]), f"- total: {meta['seconds']} s",
                 f"- setup: {cfg['nproc']} {'NCCL' if cfg['device'] == 'cuda' else 'gloo'} ranks, model "
                 f"`{cfg['model']}`, "
                 f"{cfg['batch_size']} x {cfg['block_size']} tokens per rank per step, AdamW (lr {cfg['lr']}, weight "
                 f"decay 0.1, none on biases/LayerNorms), {cfg['rounds']} rounds of {cfg['steps']} steps "
                 f"(the first {cfg['warmup']} of each "
                 f"warm-up; rounds alternate the run order), bucket "
-                f"{cfg['bucket_numel']} elements; zerokit {cfg['precision']}, torch peers fp32 with `foreach=True`",
+                f"{cfg['bucket_numel']} elements; zerokit {cfg['precision']}, torch peers fp32 with `foreach=True`; "
+                "FSDP1 and FSDP2 wrap every Block (zerokit's stage-3 units) and the root, FSDP1 with "
+                "`use_orig_params=True`",
                 "- zerokit's gradient reduction: " + (
                     "ordered (zerokit's gloo default, so that every stage is bitwise equal at any world size: each "
                     "reduce-scatter is an all-to-all plus a sum in rank order, and stage 0's all-reduce is that plus "
@@ -551,33 +899,69 @@ def markdown(record: dict) -> list[str]:
                     "native` times the plain collectives instead)"
                     if cfg["reduction_used"] == "ordered" else
                     "native (torch's all-reduce / reduce-scatter, as DDP and FSDP use)"), ""]
-    md = head + [
+        summary = ["## Each stage against its fastest peer", "", *stage_table(record["stages"]), "",
+                   "## Every pair", ""]
+    md = head + summary + [
           *table(record["pairs"]), "",
           "- ms: median step time (forward + backward + optimizer step + zero_grad) over every round's timed "
-          "steps, on the slowest rank; ratio > 1 means zerokit is slower. tok/s: global tokens per step / that time.",
+          "steps, on the slowest rank; ratio > 1 means zerokit is slower. tok/s: global tokens per step / that time."
+          + ("" if not summary else " A stage's fastest peer is the quickest of its peers that ran (the DDP "
+             "reference beside stage 2 is never chosen); every pair's own ratio is listed too."),
           "- max abs Δloss: largest |zerokit loss - peer loss| over every step, round and rank, same weights and "
           "batches; 0 means bit for bit. "
           + ("zerokit and the torch peers compute in different precisions or recipes here, so it is informational."
-             if "provenance" in record and cfg["precision"] != "fp32" else
+             if cfg.get("peers") == "plain" and cfg["precision"] != "fp32" else
              f"Tolerance {FP32_LOSS_TOLERANCE:g}: ZeroRedundancyOptimizer and FSDP may reduce in another order "
              "than zerokit (at 2 ranks a sum of two has one order, so they can still agree exactly)."
              if cfg["precision"] == "fp32" else "zerokit runs a lower precision here, so it is informational."),
           "- KB: rank 0's bytes after the last optimizer step, before its zero_grad (10^3 bytes); "
           "zerokit from `engine.memory()`, torch by counting "
-          "the storages of its local params, grads and optimizer states (the allocator's peak is recorded in "
-          "the JSON on CUDA only).", ""]
+          "the storages of its local params, grads and optimizer states.", ""]
+    if allocator:
+        md.insert(len(md) - 1, allocator_note(record))
     md += [f"- {p['zerokit']} vs {p['peer']}: {p['note']}"
            + ("" if p["loss_within_tolerance"] in (None, True) else " — LOSS OUTSIDE TOLERANCE")
            + (f". Did not run: `{p['peer_error']}`" if p["peer_error"] else "") for p in record["pairs"]]
-    fsdp = record["runs"].get(FSDP, {})
-    if fsdp.get("fallback_errors"):
-        md.append(f"- FSDP fallbacks taken: {'; '.join(fsdp['fallback_errors'])}")
-    if cfg["device"] == "cpu" and "provenance" not in record:
+    failed = [f"{name}: `{run['allocator']['error']}`" for name, run in record["runs"].items()
+              if "error" not in run and run.get("allocator") and "error" in run["allocator"]]
+    if failed:
+        md.append(f"- allocator pass failed: {'; '.join(failed)}")
+    if cfg["device"] == "cpu" and cfg.get("peers") != "plain":
         md += ["", f"On {meta['cpu_count']} CPU cores with {cfg['nproc']} ranks (one thread each) and a model this "
                "small, these timings mostly measure Python overhead per step (hooks, per-tensor bookkeeping, "
                "collective launches) and gloo's latency, not arithmetic or bandwidth; they say which implementation "
                "does less work per step around the math, not how either scales on GPUs."]
     return md
+
+
+def allocator_note(record: dict) -> str:
+    """What the allocator columns are, and on CPU what they cannot see."""
+    cfg = record["config"]
+    allocs = [run["allocator"] for run in record["runs"].values()
+              if "error" not in run and run.get("allocator") and "error" not in run["allocator"]]
+    text = (f"- allocator MB (10^6 bytes), from an untimed pass per run after the timing rounds: "
+            f"{cfg['memory_warmup']} steps, then {cfg['memory_steps']} measured; counted from just before the run's "
+            "model is built (params, grads, optimizer states, buckets, caches; not the batches). Peak in a step: the "
+            "most live inside any measured step, largest over ranks. Between steps: live at a step boundary (before "
+            "the forward), the median over the boundaries, largest over ranks. ")
+    if cfg["device"] == "cuda":
+        return text + "CUDA: `torch.cuda.max_memory_allocated` (reset at each boundary) and `memory_allocated`."
+    unseen = max((a["unseen_free_bytes"] for a in allocs), default=0)
+    if allocs and all(a["method"] == ALLOCATOR_CPU for a in allocs):
+        return text + ("CPU: the Total Allocated of `torch.profiler.profile(profile_memory=True)`'s allocator events, "
+                       "with c10's `caffe2_report_cpu_memory_usage` flag set for the pass so that frees and "
+                       "allocations on gloo's worker threads count too (without it they do not: "
+                       "benchmarks/cpu_frees.py). The events are recorded on the main thread only, so the counter "
+                       "is read at each of its allocations and frees: a buffer a gloo thread allocates and frees "
+                       "between two of them is not in a peak. Counting the main thread's events alone would have "
+                       f"left up to {unseen:,} bytes freed on gloo's threads counted as live in one run's measured "
+                       "steps (`main_thread` in the JSON).")
+    return text + ("CPU: rebuilt from `torch.profiler.profile(profile_memory=True)` allocation events, which are "
+                   "recorded on the main thread only (c10's all-threads counter flag was not available here): what "
+                   "gloo's worker threads allocate is missing, and a block they free is counted live until its "
+                   "address is allocated again (benchmarks/cpu_frees.py shows the profiler missing such frees). These "
+                   "are main-thread bytes, upper bounds as to frees on gloo's threads; the most bytes corrected by "
+                   f"address reuse in one run's measured steps: {unseen:,} (`unseen_free_bytes` in the JSON).")
 
 
 if __name__ == "__main__":
