@@ -82,8 +82,10 @@ flat buffers, so it has no such loop to lose). With `--precision bf16/fp16` only
 precision; the torch peers stay fp32, as in `zerokit compare`.
 
 With CUDA available the ranks use NCCL, one GPU each, and time with `torch.cuda.synchronize()`;
-results go to speed_vs_torch_cuda.*. Without it: gloo on CPU, speed_vs_torch_cpu.*. Both through
-benchmarks/_results.py (`provenance`, `write_pair`): command, date, commit, machine, versions.
+results go to speed_vs_torch_cuda.*. Without it: gloo on CPU, speed_vs_torch_cpu.*. A world size
+other than 2 adds `_n<N>` to the name (`--nproc 4`: speed_vs_torch_cpu_n4.*), so that the two
+target world sizes keep a results file each. Both through benchmarks/_results.py (`provenance`,
+`write_pair`): command, date, commit, machine, versions.
 
     python benchmarks/speed_vs_torch.py --peers plain --nproc 1 --model gpt2-medium --precision bf16 \
         --batch-size 8 --steps 15 --warmup 5 --rounds 2 --bucket-numel 4194304
@@ -796,6 +798,13 @@ def stage_table(lines: list[dict]) -> list[str]:
     return rows
 
 
+def results_name(peers: str, device: str, nproc: int) -> str:
+    """The results files' name, without .json / .md: world size 2 keeps the name it always had."""
+    if peers == "plain":
+        return f"speed_vs_torch_plain_{device}"
+    return f"speed_vs_torch_{device}" + ("" if nproc == 2 else f"_n{nproc}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from zerokit.models import preset
 
@@ -857,8 +866,7 @@ def main(argv: list[str] | None = None) -> int:
         elif run["allocator"] and "error" in run["allocator"]:
             print(f"{name}: allocator pass failed: {run['allocator']['error']}")
 
-    stem = f"speed_vs_torch_plain_{device}" if plain else f"speed_vs_torch_{device}"
-    write_pair(args.out / stem, record, "\n".join(markdown(record)) + "\n")
+    write_pair(args.out / results_name(args.peers, device, args.nproc), record, "\n".join(markdown(record)) + "\n")
     print(f"({meta['seconds']} s)")
     return 0
 

@@ -116,7 +116,7 @@ def test_a_peer_that_fails_gets_its_error_in_the_table_and_no_number():
 
 
 def test_cpu_allocator_pass_counts_a_free_made_on_another_thread():
-    """The CPU reading: a tensor freed on another thread leaves c10's all-threads counter, not the main-thread ledger."""
+    """On CPU a tensor freed on another thread leaves c10's all-threads counter, not the main-thread ledger."""
     from torch.profiler import ProfilerActivity, profile
 
     box = []
@@ -172,5 +172,9 @@ def test_four_ranks_and_the_memory_options_parse():
     args = speed_vs_torch.parse_args(["--nproc", "4", "--steps", "20", "--warmup", "5"])
     assert (args.nproc, args.memory_steps, args.memory_warmup, args.peers) == (4, 3, 2, "default")
     assert speed_vs_torch.parse_args(["--memory-steps", "0"]).memory_steps == 0
+    # one results file per target world size: 2 keeps its old name, 4 gets its own
+    names = [speed_vs_torch.results_name("default", "cpu", n) for n in (2, 4)]
+    assert names == ["speed_vs_torch_cpu", "speed_vs_torch_cpu_n4"]
+    assert speed_vs_torch.results_name("plain", "cuda", 1) == "speed_vs_torch_plain_cuda"
     with pytest.raises(SystemExit):
         speed_vs_torch.parse_args(["--memory-steps", "-1"])
