@@ -58,6 +58,8 @@ def _four_ranks(rank, world_size, ckpt_dir):
             losses, state, engine = train_zerokit(rank, world_size, stage, torch.optim.AdamW, OPT, STEPS, BATCH,
                                                   clip=CLIP, precision=precision, group=groups, bucket_numel=200)
             out[("state", precision, stage)] = state
+            out[("ranks", stage)] = (engine.rank, engine.world_size, engine.data_parallel_rank,
+                                     engine.data_parallel_size)
             out[("losses", precision, stage)] = losses
             if stage > 0 and precision == "bf16":
                 flat = zk.shard(odd_model(), torch.optim.AdamW, stage=stage, precision=precision, group=groups[0],
@@ -132,6 +134,15 @@ def test_hybrid_stages_bitwise_equal_to_stage0(runs, precision, stage):
     # every rank holds the same model: replicas agree, and so do the two shard groups
     for out in four[1:]:
         _assert_equal(out[("state", precision, stage)], four[0][("state", precision, stage)], "rank vs rank 0")
+
+
+def test_hybrid_engine_ranks(runs):
+    """engine.rank / world_size: the position in the shard group; data_parallel_rank / size: every rank's."""
+    for out in runs[0]:
+        r = out["rank"]
+        assert out[("ranks", 0)] == (r, 4, r, 4)  # stage 0 ignores S
+        for stage in (1, 2, 3):
+            assert out[("ranks", stage)] == (r % 2, 2, r, 4)
 
 
 def test_hybrid_steps_really_move_the_weights(runs):

@@ -106,6 +106,18 @@ class Engine:
             self.sync_gradients = previous
 
     @property
+    def data_parallel_rank(self) -> int:
+        """Which part of the global batch this rank trains on: its rank among all data-parallel ranks.
+        Equal to `rank` in one flat group; under hybrid sharding `rank` is the position in the shard
+        group (core/hybrid.py), shared by one rank of every node, so pick data with this instead."""
+        return self.comm.world_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        """N: the ranks whose gradients are averaged (`world_size` is the shard group's S under hybrid sharding)."""
+        return self.comm.data_parallel_size
+
+    @property
     def loss_scale(self) -> float:
         return float(self.scaler.scale) if self.scaler is not None else 1.0
 
