@@ -66,3 +66,33 @@ def test_zero_size_and_one_element_parameters_get_a_place():
     layout = FlatLayout.build([(0,), (1,), (7, 15)], 4)
     assert layout.offsets == (0, 0, 1) and layout.numel == 106 and layout.padded_numel == 108
     assert FlatLayout.build([(0,)], 3).padded_numel == 3
+
+
+def test_a_bucket_spanning_the_model_does_not_hold_back_the_others():
+    """With param_groups, the no-decay biases and LayerNorms of every block share one small bucket. Stages 0-2
+    release buckets in index order, so that bucket must come after every bucket that completes before it:
+    each bucket's collective is issued during backward, as soon as it and the ones before it are complete
+    (it used to come first, and every collective waited for the end of backward)."""
+    import torch
+    import zerokit as zk
+    from zerokit.models import CharCorpus, build_model
+
+    def no_decay(name, p):
+        return {"weight_decay": 0.0} if p.dim() < 2 else {}
+
+    model = build_model("tiny", seed=0)
+    engine = zk.shard(model, torch.optim.AdamW, stage=0, lr=1e-3, bucket_numel=4096, param_groups=no_decay)
+    spans = [fp for fp in engine.flat_params if len({n[0].split(".")[1] for n in fp.names if n[0].startswith("blocks.")}) > 1]
+    assert spans, "the no-decay bucket spans every block"
+    events = []
+    first_block = [p for n, p in model.named_parameters() if n.startswith("blocks.0.")]
+    for p in first_block:  # blocks.0's gradients arrive last but for the embeddings'
+        p.register_post_accumulate_grad_hook(lambda p: events.append("blocks.0 grad"))
+    release = engine.tracker.on_bucket_ready
+    engine.tracker.on_bucket_ready = lambda fp: (events.append(f"release {fp.index}"), release(fp))
+    x, y = CharCorpus.load().batch(2, model.cfg.block_size, 0)
+    engine.backward(engine(x, y)[1])
+    released_before_block0 = [e for e in events[:events.index("blocks.0 grad")] if e.startswith("release")]
+    decay_buckets = [fp for fp in engine.flat_params if fp not in spans and fp.names[0][0].startswith("blocks.")
+                     and not fp.names[0][0].startswith("blocks.0.")]
+    assert len(released_before_block0) >= len(decay_buckets) >= 1, events

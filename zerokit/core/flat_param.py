@@ -19,6 +19,8 @@ their own flat buffers: no gradient, no master copy, no optimizer state.
 """
 from __future__ import annotations
 
+import functools
+
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -55,6 +57,7 @@ class FlatParamLayout:
         self.layout = FlatLayout.build([tuple(p.shape) for p in params], world_size)
         self.device = params[0].device
         self._shown_grads: list = [p.grad for p in params]  # what the engine last put in each `.grad`
+        self._grad_views: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # (flat grad, its views)
 
     # extents -------------------------------------------------------------
     @property
@@ -73,7 +76,7 @@ class FlatParamLayout:
     def shard_range(self) -> tuple[int, int]:
         return self.layout.shard_range(self.rank)
 
-    @property
+    @functools.cached_property
     def label(self) -> str:
         """This flat param as a bucket, in words: "bucket 3 (blocks.2.*)". What the collective recorder
         (core/recorder.py) and debug mode's errors name a reduction by; the index is its collective order."""
@@ -116,14 +119,26 @@ class FlatParamLayout:
             p.data = view
 
     def use_as_grad_storage(self, flat_grad: torch.Tensor | None) -> None:
-        """Make every parameter's `.grad` a view into `flat_grad` (None: drop the gradients)."""
-        self.show_grads([None] * len(self.params) if flat_grad is None else self.views(flat_grad))
+        """Make every parameter's `.grad` a view into `flat_grad` (None: drop the gradients).
+
+        Called at every zero_grad and backward; the views of the last buffer are kept and reused
+        while it is the same tensor (stages 0-1 keep one gradient buffer for good), so a step
+        slices nothing and reassigns only the `.grad`s user code changed.
+        """
+        if flat_grad is None:
+            self.show_grads([None] * len(self.params))
+            return
+        cached = self._grad_views
+        if cached is None or cached[0] is not flat_grad:
+            cached = self._grad_views = (flat_grad, self.views(flat_grad))
+        self.show_grads(cached[1])
 
     def show_grads(self, grads: list[torch.Tensor | None]) -> None:
         """Put grads[j] in params[j].grad and remember it: see core/user_grads.py [Note: param.grad belongs to
         the user]."""
         for g, p in zip(grads, self.params):
-            p.grad = g
+            if p.grad is not g:  # assigning checks shape, dtype and device: skip what is already shown
+                p.grad = g
             if isinstance(g, ShardedGrad):
                 g.zeroed = False
         self._shown_grads = list(grads)  # kept alive, so `p.grad is shown` is an identity test
@@ -255,9 +270,14 @@ def build_flat_params(infos: list[ParamInfo], world_size: int, rank: int, bucket
 
     `bucket_numel=None`: one flat param per group, never split (stage 3's units).
 
-    The result is ordered by the latest-registered parameter of each bucket, descending:
-    roughly the order in which backward completes them, which is the order every rank
-    issues their collectives in.
+    The result is ordered by the earliest-registered parameter of each bucket, descending:
+    roughly the order in which backward completes them (gradients arrive in about reverse
+    registration order, so a bucket is complete once its earliest parameter's has arrived),
+    which is the order every rank issues their collectives in (stages 0-2 release buckets
+    strictly in this order). Ordering by the latest-registered parameter instead would put a
+    bucket that spans the whole model first — with `param_groups`, the no-decay biases and
+    LayerNorms of every block share one small bucket — and hold every other bucket's
+    collective back until the end of backward: no overlap at all.
     """
     groups: dict[tuple, list[int]] = {}
     for i, info in enumerate(infos):
@@ -269,7 +289,7 @@ def build_flat_params(infos: list[ParamInfo], world_size: int, rank: int, bucket
         cuts = plan_buckets(numels, bucket_numel) if bucket_numel is not None else [list(range(len(members)))]
         for bucket in cuts:
             indices = [members[j] for j in bucket]
-            planned.append((max(indices), key, indices))
+            planned.append((min(indices), key, indices))
     planned.sort(key=lambda t: -t[0])
     flats = []
     for k, (_, (dtype, requires_grad, _opts), indices) in enumerate(planned):
