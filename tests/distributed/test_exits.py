@@ -178,8 +178,12 @@ def _abort_at_exit(rank, world_size):
     return rank
 
 
-def test_run_ranks_fails_a_rank_that_aborts_after_returning(tmp_path):
-    """A spawned rank that returns its result and then aborts on the way out is a failure, not ignored."""
+def test_run_ranks_fails_a_rank_that_aborts_after_returning(tmp_path, monkeypatch):
+    """A spawned rank that returns its result and then aborts on the way out is a failure, not ignored.
+
+    Spawned: a rank forked from the forkserver (the default) leaves with os._exit and runs no
+    interpreter teardown, so it cannot abort there; a spawned one (ZEROKIT_START=spawn) can."""
     from zerokit.launch import RankFailed, run_ranks
+    monkeypatch.setenv("ZEROKIT_START", "spawn")
     with pytest.raises(RankFailed, match="rank 1 returned its result, then exited with signal SIGABRT"):
         run_ranks(_abort_at_exit, 2, store_dir=str(tmp_path), timeout_s=60)
