@@ -121,21 +121,24 @@ class FlatParamLayout:
     def use_as_grad_storage(self, flat_grad: torch.Tensor | None) -> None:
         """Make every parameter's `.grad` a view into `flat_grad` (None: drop the gradients).
 
-        Called at every zero_grad and backward; the views of the last buffer are kept and reused
-        while it is the same tensor (stages 0-1 keep one gradient buffer for good), so a step
-        slices nothing and reassigns only the `.grad`s user code changed.
+        Called at every zero_grad and backward; the views of the buffer are kept and reused while
+        it is the same tensor and shown (stages 0-1 keep one gradient buffer for good), so a step
+        slices nothing and reassigns only the `.grad`s user code changed. Views hold their
+        buffer's storage, so showing anything else drops them (stages 2-3 free the buffer).
         """
         if flat_grad is None:
             self.show_grads([None] * len(self.params))
             return
         cached = self._grad_views
         if cached is None or cached[0] is not flat_grad:
-            cached = self._grad_views = (flat_grad, self.views(flat_grad))
+            cached = (flat_grad, self.views(flat_grad))
         self.show_grads(cached[1])
+        self._grad_views = cached
 
     def show_grads(self, grads: list[torch.Tensor | None]) -> None:
         """Put grads[j] in params[j].grad and remember it: see core/user_grads.py [Note: param.grad belongs to
         the user]."""
+        self._grad_views = None  # use_as_grad_storage keeps its views only while they are what is shown
         for g, p in zip(grads, self.params):
             if p.grad is not g:  # assigning checks shape, dtype and device: skip what is already shown
                 p.grad = g
