@@ -90,6 +90,17 @@ def _four_ranks(rank, world_size, ckpt_dir):
         out["bad groups"] = "accepted"
     except ValueError as exc:
         out["bad groups"] = str(exc)
+    # under torchrun, a shard group that is not a node is said (LOCAL_WORLD_SIZE: ranks per node)
+    import os
+    import warnings
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            zk.shard(odd_model(), torch.optim.AdamW, stage=1, group=groups, **OPT)
+        out["span warning"] = [str(w.message) for w in caught if "LOCAL_WORLD_SIZE" in str(w.message)]
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
     # checkpoint: save after 5 steps at (4, S=2, stage 3), the uninterrupted run goes on to 10
     _, _, engine = train_zerokit(rank, world_size, 3, torch.optim.AdamW, OPT, 5, BATCH, clip=CLIP, group=groups)
     engine.save(ckpt_dir)
@@ -220,3 +231,9 @@ def test_hybrid_refusals_without_a_process_group():
         zk.shard(odd_model(), torch.optim.AdamW, stage=1, shard_group_size=1, comm=zk.Comm(), lr=1e-3)
     engine = zk.shard(odd_model(), torch.optim.AdamW, stage=3, shard_group_size=1, lr=1e-3, wrap=(OddBlock,))
     assert type(engine.comm) is zk.Comm and engine.world_size == 1  # S = N = 1: one flat group
+
+
+def test_hybrid_warns_when_shard_groups_are_not_nodes(runs):
+    four, _ = runs
+    assert len(four[0]["span warning"]) == 1 and "pass shard_group_size=1" in four[0]["span warning"][0]
+    assert all(out["span warning"] == [] for out in four[1:])  # said once, on rank 0

@@ -46,6 +46,9 @@ Byte counters are kept per group: `stats_by_group()`.
 """
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
@@ -87,6 +90,19 @@ def hybrid_groups(shard_group_size: int, backend: str | None = None):
     return tuple(mine)
 
 
+def _warn_if_groups_span_nodes(shard_group_size: int, world_size: int) -> None:
+    """Under torchrun, LOCAL_WORLD_SIZE is the ranks per node: a shard group of another size puts a node
+    boundary inside a shard group (or keeps replicas on one node), which is correct but sends the
+    parameter all-gathers over the slow link hybrid sharding exists to spare. Said once, on rank 0."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if not local or not local.isdigit() or int(local) in (shard_group_size, world_size) or dist.get_rank() != 0:
+        return
+    warnings.warn(f"zerokit: shard_group_size={shard_group_size} but torchrun runs {local} ranks per node "
+                  f"(LOCAL_WORLD_SIZE): shard groups do not match nodes, so stage 3's all-gathers and the "
+                  f"reduce-scatters cross nodes; pass shard_group_size={local} to shard within each node",
+                  stacklevel=3)
+
+
 class HybridComm(Comm):
     """A rank of a shard group (what stages see: `rank`, `world_size` = S), replicated across nodes."""
 
@@ -102,6 +118,7 @@ class HybridComm(Comm):
             raise ValueError(f"the shard group ({s} ranks) times the replicate group ({r} ranks) must be the world "
                              f"({n} ranks): pass (shard_group, replicate_group) as zk.hybrid_groups builds them")
         self._check_grid(shard_group, replicate_group)
+        _warn_if_groups_span_nodes(s, n)
         self.data_parallel_size = n
         self.world_rank = self.world.rank
         self.replica_rank = self.replicate.rank
