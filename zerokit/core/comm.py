@@ -294,6 +294,30 @@ class Comm:
             work = dist.all_gather_single(output, input, group=self.group, async_op=async_op)
             return Handle(work, comm=self) if async_op else _DONE
 
+    def all_gather_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], phase: str | None = None,
+                        labels: list[str] | None = None) -> Handle:
+        """Several all-gathers (output i: (shard_numel_i * N,), input i: (shard_numel_i,)) issued as one
+        coalesced collective: one round of latency instead of one per buffer (gloo, 10 buffers of 46k
+        floats at 2 ranks: 9-11 ms separately, 4-7 ms coalesced). Asynchronous; each is recorded and
+        counted as its own all-gather, all of them (and their debug-mode checks) before any is issued."""
+        labels = labels or [None] * len(outputs)
+        for output, input, label in zip(outputs, inputs, labels):
+            assert output.numel() == input.numel() * self.world_size, (output.numel(), input.numel(), self.world_size)
+            self._record("all_gather", output, label, phase)
+            self._count("all_gather", _nbytes(output), output.numel(), phase)
+        if not self.distributed:
+            for output, input in zip(outputs, inputs):
+                output.view(self.world_size, -1).copy_(input.view(1, -1).expand(self.world_size, -1))
+            return _DONE
+        with record_function("zerokit::all_gather"), self.report_failure():
+            if len(outputs) == 1:
+                return Handle(dist.all_gather_single(outputs[0], inputs[0], group=self.group, async_op=True),
+                              comm=self)
+            with dist._coalescing_manager(group=self.group, async_ops=True) as coalesced:
+                for output, input in zip(outputs, inputs):
+                    dist.all_gather_single(output, input, group=self.group)
+            return Handle(coalesced, comm=self)
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0, phase: str | None = None,
                   label: str | None = None) -> None:
         """Copy rank `src`'s tensor (group rank) to every rank, in place."""

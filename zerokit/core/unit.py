@@ -94,9 +94,9 @@ class Unit:
         assert self.state is UnitState.SHARDED, (self.name, self.state)
         for flat in self.flat_data:
             _alloc_storage(flat)  # on the compute stream; see below
-        if self.gather_stream is None:
-            self._handles = [self.comm.all_gather(flat, shard, async_op=True, phase=phase, label=label)
-                             for flat, shard, label in zip(self.flat_data, self.param_shards, self.gather_labels)]
+        if self.gather_stream is None:  # a unit's flat params (trainable, frozen, per group) in one collective
+            self._handles = [self.comm.all_gather_many(self.flat_data, self.param_shards, phase=phase,
+                                                       labels=self.gather_labels)]
         else:
             # The side stream first waits for the compute stream (the optimizer may just have
             # written the shards), gathers, and records an event the compute stream waits on

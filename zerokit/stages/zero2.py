@@ -214,13 +214,10 @@ class Zero2Engine(Checkpointing, Engine):
         # under mixed precision would read twice as many bytes for the same result. The
         # clones live until every gather completes: Ψ·p/N transient bytes.
         inputs = self.gather_inputs  # listed by comm_buffer_tensors() while they are alive
-        for fp in self.trainable:
-            flat = self.flat_data[fp.index]  # (padded_numel,)
-            param_shard = fp.shard_of(flat).clone()  # (shard_numel,)
-            inputs.append(param_shard)
-            self.in_flight.push(self.comm.all_gather(flat, param_shard, async_op=True, phase="step",
-                                                     label=f"updated params of {fp.label}"))
-        self.in_flight.wait_all()
+        inputs.extend(fp.shard_of(self.flat_data[fp.index]).clone() for fp in self.trainable)  # (shard_numel,)
+        # One coalesced collective for every bucket: one round of latency, not one per bucket.
+        self.comm.all_gather_many([self.flat_data[fp.index] for fp in self.trainable], inputs, phase="step",
+                                  labels=[f"updated params of {fp.label}" for fp in self.trainable]).wait()
         inputs.clear()
 
     # 5. zero_grad ------------------------------------------------------------------------
