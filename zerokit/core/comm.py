@@ -436,19 +436,24 @@ class Comm:
         received = torch.empty(input.numel(), dtype=input.dtype, device=input.device)  # (N * shard,)
 
         def finish():
-            rows = received.view(n, -1)  # row r = rank r's contribution to my range
-            if self.tree:  # (r0 + r1) + (r2 + r3): core/tree.py
-                output.copy_(pairwise_sum_(rows))
-                return
-            output.copy_(rows[0])
-            for r in range(1, n):  # rank order 0..N-1: see [Note: ordered reduction]
-                output.add_(rows[r])
+            self._sum_rows(output, received.view(n, -1))  # row r = rank r's contribution to my range
 
         work = dist.all_to_all_single(received, input, group=self.group, async_op=async_op)
         handle = Handle(work if async_op else None, finish, comm=self)
         if not async_op:
             handle.wait()
         return handle
+
+    def _sum_rows(self, output: torch.Tensor, rows: torch.Tensor) -> None:
+        """output = the sum of rows (N, m), row r being rank r's: in rank order 0..N-1, or pairwise,
+        (r0 + r1) + (r2 + r3), under the tree (core/tree.py). The one sum both ordered recipes make,
+        so they give the same bits ([Note: ordered reduction]). `rows` may be destroyed."""
+        if self.tree:
+            output.copy_(pairwise_sum_(rows))
+            return
+        output.copy_(rows[0])
+        for r in range(1, rows.shape[0]):
+            output.add_(rows[r])
 
     def _ordered_all_reduce(self, tensor, async_op, rec: CollectiveRecord) -> Handle:
         n = self.world_size
@@ -477,13 +482,7 @@ class Comm:
         rows = torch.empty(n * tensor.numel(), dtype=tensor.dtype, device=tensor.device)  # (N * numel,)
 
         def finish():
-            view = rows.view(n, -1)  # row r = rank r's buffer
-            if self.tree:
-                tensor.copy_(pairwise_sum_(view))
-                return
-            tensor.copy_(view[0])
-            for r in range(1, n):  # rank order 0..N-1, as the reduce-scatter's sum
-                tensor.add_(view[r])
+            self._sum_rows(tensor, rows.view(n, -1))  # row r = rank r's whole buffer
 
         work = dist.all_gather_single(rows, tensor, group=self.group, async_op=async_op)
         handle = Handle(work if async_op else None, finish, comm=self)

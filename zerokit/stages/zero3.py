@@ -230,12 +230,13 @@ class Zero3Engine(Checkpointing, Engine):
 
     def _on_bucket_ready(self, fp: FlatParamLayout) -> None:
         """A flat param's gradients are all accumulated: reduce-scatter now, free the full buffer when done."""
+        partials = self.partials_of(fp)  # reduction="tree": the pairwise partial sums (core/tree.py)
         if self.sync_gradients:  # no_sync: keep accumulating the full gradient; the last micro-step sends it
             self.reduce_scatter_grad(fp)
             # The CPU waits here for the older one: one reduce-scatter in flight beside the newest.
             self.in_flight.wait_until(1)
-        elif self.partials_of(fp) is not None:  # reduction="tree": into the pairwise partial sums (core/tree.py)
-            self.partials_of(fp).add(self.flat_grads[fp.index], reuse=False)
+        elif partials is not None:  # no_sync under the tree: this micro-batch goes into the partial sums
+            partials.add(self.flat_grads[fp.index], reuse=False)
             self.release_flat_grad(fp)
         self.unit_of[fp.index].grad_reduced()  # frees the unit if its backward is over
 
