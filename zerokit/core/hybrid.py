@@ -122,7 +122,7 @@ class HybridComm(Comm):
         self.data_parallel_size = n
         self.world_rank = self.world.rank
         self.replica_rank = self.replicate.rank
-        # The chain's neighbours along the replicate group, as global ranks (send/recv/broadcast take those).
+        # Node k's rank at my position, as a global rank (what the chain's broadcasts take as src).
         self._replica_global = [dist.get_global_rank(replicate_group, i) for i in range(r)]  # node k -> its rank
         if tree:
             self.use_tree()
