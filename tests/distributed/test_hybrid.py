@@ -170,6 +170,11 @@ def test_hybrid_memory_is_a_world_of_the_shard_group(runs, stage):
     for out in runs[0]:
         hybrid, flat = out[("memory", stage)]
         assert hybrid == flat, (hybrid, flat)
+        # and the formula with N = S = 2 (bf16 + AdamW), up to padding: < S elements of <= 8 bytes per flat buffer
+        psi, psi_t, buffers = out[("psi", stage)]
+        formula = zk.estimate(psi, 4, stage, "bf16", optimizer="adamw", trainable_params=psi_t, shard_group_size=2)
+        for category in ("params", "grads", "master_params", "optimizer_states"):
+            assert 0 <= hybrid[category] - getattr(formula, category) <= buffers * 2 * 8, (category, hybrid, formula)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
