@@ -37,11 +37,20 @@ from a forkserver: one process, started at the first `run_ranks`, that imports t
 zerokit once (`_PRELOAD`) and forks a rank per request. It is forked before any process group,
 thread pool or CUDA context exists (importing torch creates none), so a rank is as clean as a
 spawned one; each rank then takes the caller's current environment (`os.environ` as the
-forkserver saw it at its start is older) and runs the same `_worker`. A forked rank leaves
+forkserver saw it at its start is older) and its current stdout and stderr (pytest's capture of
+the test that started the forkserver is another file), and runs the same `_worker`. A forked rank leaves
 with os._exit once `_worker` returns: no interpreter teardown, so none of its atexit handlers
 run and the abort of [Note: process-group teardown] cannot happen on the way out (a spawned
 rank still tears down, and `run_ranks` still reports one that dies doing so). ZEROKIT_START=spawn
 restores fresh interpreters (macOS and Windows have no forkserver and spawn anyway).
+
+[Note: stacks of a stuck rank]
+When a run fails (a rank raised, or the deadline passed), the ranks still running are the ones
+to look at: a rank blocked inside a collective, or somewhere no collective reaches, cannot
+report where it is (its SIGTERM handler runs only when the blocking C++ call returns). Every
+rank therefore registers faulthandler on SIGUSR1, and run_ranks sends it to each rank still
+running before stopping them: each prints every thread's Python stack to stderr (the caller's
+stderr: pytest shows it under the failing test), one rank after another.
 
 [Note: Ctrl-C]
 Ctrl-C belongs to the parent: ranks ignore SIGINT (a terminal sends it to the whole
@@ -51,8 +60,10 @@ STOP_GRACE_S is killed.
 """
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
+import sys
 import pickle
 import queue as queue_module
 import signal
@@ -69,6 +80,8 @@ import torch.multiprocessing as mp
 
 EXIT_GRACE_S = 60.0  # after every rank returned: how long they get to exit before they are killed
 STOP_GRACE_S = 15.0  # after a failure or Ctrl-C: how long ranks get to tear down (about 2 s) before they are killed
+STACKS_SIGNAL = signal.SIGUSR1  # a rank prints every thread's Python stack to stderr on it
+STACKS_WAIT_S = 1.0  # how long the parent gives them to print
 USER_ERRORS = (ValueError, TypeError, OSError)  # what zerokit raises for bad input; the CLI prints them as one line
 
 
@@ -102,13 +115,44 @@ def _error_report(exc: BaseException) -> dict:
             "stopped": isinstance(exc, KeyboardInterrupt)}
 
 
+class _CallerFd:
+    """The caller's file descriptor `fd` at `Process.start()`, handed to the rank (multiprocessing's DupFd,
+    taken when the process is pickled: passed to the forkserver, or inherited by a spawned process)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+        return (_fd_in_rank, (reduction.DupFd(self.fd),))
+
+
+def _fd_in_rank(dup) -> int:
+    return dup.detach()
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
 def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s: float, threads: int,
-            fn: Callable, args: tuple, results, env: dict[str, str]) -> None:
-    # See [Note: process-group teardown], [Note: Ctrl-C] and [Note: starting ranks].
+            fn: Callable, args: tuple, results, env: dict[str, str], stdio: tuple[int | None, ...]) -> None:
+    # See [Note: process-group teardown], [Note: Ctrl-C], [Note: starting ranks], [Note: stacks of a stuck rank].
+    for target, fd in zip((1, 2), stdio):  # the caller's stdout and stderr now, not the forkserver's
+        if fd is not None:
+            os.dup2(fd, target)
+            os.close(fd)
     os.environ.clear()
     os.environ.update(env)
+    if dist.is_available():
+        dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG was read when the forkserver imported torch
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # [Note: stacks of a stuck rank]
     report = None
     try:
         torch.set_num_threads(threads)  # N ranks share the machine's cores
@@ -169,8 +213,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
     with tempfile.TemporaryDirectory(prefix="zerokit-rdzv-", dir=store_dir) as tmp:
         init_file = os.path.join(tmp, "store")
         env = dict(os.environ)  # the forkserver's was copied when it started: hand over today's
+        sys.stdout.flush()
+        sys.stderr.flush()
+        stdio = tuple(_CallerFd(fd) if _is_open(fd) else None for fd in (1, 2))
         procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, backend, pg_timeout_s, threads, fn,
-                                                   args, results, env), daemon=True)
+                                                   args, results, env, stdio), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -202,6 +249,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
                     raise _rank_failed(world_size, {rank: value}, results)
                 values[rank] = pickle.loads(value)
             finished = True
+        except (RankFailed, TimeoutError) as exc:
+            _print_stacks_of_running(procs, set(values) | getattr(exc, "reported", set()))
+            raise
         finally:
             _stop(procs, results if not finished else None)
     # Every rank returned its result; one that then died on the way out (an abort at
@@ -213,6 +263,21 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
         raise RankFailed(f"rank {r} returned its result, then exited with {how} (exit codes: "
                          f"{[p.exitcode for p in procs]})", rank=r, world_size=world_size)
     return [values[r] for r in range(world_size)]
+
+
+def _print_stacks_of_running(procs: list, reported: set[int]) -> None:
+    """[Note: stacks of a stuck rank]: ranks that sent no report and are still running print their stacks."""
+    running = [r for r, p in enumerate(procs) if r not in reported and p.is_alive()]
+    if not running:
+        return
+    print(f"zerokit: rank(s) {running} still running when the run failed; their Python stacks follow "
+          f"(most recent call first):", file=sys.stderr, flush=True)
+    for r in running:
+        try:
+            os.kill(procs[r].pid, STACKS_SIGNAL)
+        except (ProcessLookupError, TypeError):
+            pass
+        time.sleep(STACKS_WAIT_S / len(running))  # one rank's stacks at a time: not interleaved
 
 
 def _stop(procs: list, results) -> None:
@@ -251,16 +316,20 @@ def _rank_failed(world_size: int, errors: dict[int, dict], results, grace_s: flo
     rank whose failure was not such a knock-on effect (nor a stop asked by this parent).
     """
     deadline = time.monotonic() + grace_s
+    reported = set(errors)
     while time.monotonic() < deadline and len(errors) < world_size:
         try:
             rank, status, value = results.get(timeout=max(0.05, deadline - time.monotonic()))
         except queue_module.Empty:
             break
+        reported.add(rank)
         if status == "error":
             errors[rank] = value
     order = sorted(errors, key=lambda r: (errors[r]["stopped"],
                                           any(m in errors[r]["traceback"] for m in _KNOCK_ON), r))
     text = "\n".join(f"rank {r} of {world_size} failed:\n{errors[r]['traceback']}" for r in order)
     root = errors[order[0]]
-    return RankFailed(text, rank=order[0], world_size=world_size, message=root["message"],
-                      exc_type=root["exc_type"], user_error=root["user_error"])
+    failed = RankFailed(text, rank=order[0], world_size=world_size, message=root["message"],
+                        exc_type=root["exc_type"], user_error=root["user_error"])
+    failed.reported = reported  # ranks that sent a report: not stuck ([Note: stacks of a stuck rank])
+    return failed

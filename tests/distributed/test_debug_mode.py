@@ -23,7 +23,7 @@ import zerokit as zk
 from common import OddBlock, odd_batch, odd_model
 from zerokit.commands.step import train_step
 from zerokit.core.comm import Comm, Handle
-from zerokit.launch import run_ranks
+from zerokit.launch import RankFailed, run_ranks
 from zerokit.models import Block, CharCorpus, build_model
 
 BATCH = 3
@@ -224,3 +224,23 @@ def test_handle_wait_reports_the_records_once_then_raises(capsys):
     assert err.count("a collective failed (RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed") == 1
     assert "#0 all_gather of unit blocks.0 (4 x float32, forward)" in err, err
     assert err.strip().endswith("#1 reduce_scatter of bucket 2 (blocks.1.*) (4 x float32, backward)"), err
+
+
+def _gather_many_beside_an_all_reduce(rank, world_size):
+    assert dist.get_debug_level() == dist.DebugLevel.DETAIL
+    if rank == 0:
+        Comm().all_gather_many([torch.empty(4 * world_size), torch.empty(2 * world_size)],
+                               [torch.zeros(4), torch.zeros(2)]).wait()
+    else:
+        dist.all_reduce(torch.ones(6))
+
+
+def test_torch_detail_checks_the_gathers_all_gather_many_issues(tmp_path, monkeypatch):
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL checks every collective, but not a coalesced one: all_gather_many then
+    issues its gathers one by one, so a rank doing something else is reported at once, not after a timeout."""
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match="Detected mismatch between collectives"):
+        run_ranks(_gather_many_beside_an_all_reduce, 2, store_dir=str(tmp_path), timeout_s=60,
+                  collective_timeout_s=20)
+    assert time.monotonic() - start < 20

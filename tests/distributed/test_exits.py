@@ -187,3 +187,40 @@ def test_run_ranks_fails_a_rank_that_aborts_after_returning(tmp_path, monkeypatc
     monkeypatch.setenv("ZEROKIT_START", "spawn")
     with pytest.raises(RankFailed, match="rank 1 returned its result, then exited with signal SIGABRT"):
         run_ranks(_abort_at_exit, 2, store_dir=str(tmp_path), timeout_s=60)
+
+
+def _blocked_where_no_collective_reaches(rank, world_size):
+    if rank == 0:
+        time.sleep(0.5)
+        raise ValueError("rank 0 gives up")
+    while True:  # rank 1: never reaches a collective, so nothing fails on it
+        time.sleep(0.05)
+
+
+def _blocked_for_ever(rank, world_size):
+    while True:
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("how", ["a rank raised", "deadline"])
+def test_a_rank_still_running_when_the_run_fails_prints_its_stack(tmp_path, capfd, how):
+    """[Note: stacks of a stuck rank]: the rank that cannot report shows where it is blocked."""
+    from zerokit.launch import RankFailed, run_ranks
+    if how == "deadline":
+        with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish within 3 s"):
+            run_ranks(_blocked_for_ever, 2, store_dir=str(tmp_path), timeout_s=3)
+        stuck, frame = [0, 1], "_blocked_for_ever"
+    else:
+        with pytest.raises(RankFailed, match="rank 0 gives up"):
+            run_ranks(_blocked_where_no_collective_reaches, 2, store_dir=str(tmp_path), timeout_s=60)
+        stuck, frame = [1], "_blocked_where_no_collective_reaches"
+    err = capfd.readouterr().err
+    assert f"zerokit: rank(s) {stuck} still running when the run failed" in err, err
+    assert err.count(f'line {_line_of(frame)} in {frame}') == len(stuck), err  # one stack per stuck rank
+
+
+def _line_of(name: str) -> int:
+    """The line of `time.sleep` inside the loop of the function `name` in this file."""
+    import inspect
+    lines, start = inspect.getsourcelines(globals()[name])
+    return start + next(i for i, line in enumerate(lines) if "time.sleep(0.05)" in line)

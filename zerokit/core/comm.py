@@ -88,7 +88,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
+from torch.profiler import record_function as _record_function
 
 from zerokit.core.recorder import CollectiveRecord, CollectiveRecorder
 from zerokit.core.tree import is_power_of_two, pairwise_sum_
@@ -127,6 +127,28 @@ class Handle:
 
 _DONE = Handle()
 _DONE.done = True
+
+
+def profiled(name: str):
+    """torch.profiler's record_function(name) while a profiler records, else nothing: entering one costs a
+    dispatcher call even when no profiler is on (16 us here, a few per bucket and step)."""
+    return _record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+
+class _Works:
+    """Several torch.distributed Works waited for as one."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def _torch_checks_each_collective() -> bool:
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL: torch wraps the group to check every collective before it runs."""
+    return dist.is_available() and dist.get_debug_level() == dist.DebugLevel.DETAIL
 
 
 @dataclass(frozen=True)
@@ -245,7 +267,7 @@ class Comm:
         self._count("all_reduce", 2 * _nbytes(tensor), tensor.numel(), phase)
         if not self.distributed:
             return _DONE
-        with record_function("zerokit::all_reduce"), self.report_failure():
+        with profiled("zerokit::all_reduce"), self.report_failure():
             if op == "sum" and self.ordered and self.world_size > 2:  # N = 2: one addition, any order
                 if self.world_size <= GATHERED_ALL_REDUCE_MAX_RANKS:
                     return self._gathered_all_reduce(tensor, async_op)
@@ -266,7 +288,7 @@ class Comm:
             start = self.rank * output.numel()
             output.copy_(input[start:start + output.numel()])
             return _DONE
-        with record_function("zerokit::reduce_scatter"), self.report_failure():
+        with profiled("zerokit::reduce_scatter"), self.report_failure():
             if self.ordered:  # safe in place: the input is fully received before the sum is written
                 return self._ordered_reduce_scatter(output, input, async_op)
             if _shares_storage(output, input):  # in place (output is my range of input): go via a temporary
@@ -290,7 +312,7 @@ class Comm:
             # and exact at world size 1).
             output.view(self.world_size, -1).copy_(input.view(1, -1).expand(self.world_size, -1))
             return _DONE
-        with record_function("zerokit::all_gather"), self.report_failure():
+        with profiled("zerokit::all_gather"), self.report_failure():
             work = dist.all_gather_single(output, input, group=self.group, async_op=async_op)
             return Handle(work, comm=self) if async_op else _DONE
 
@@ -299,7 +321,10 @@ class Comm:
         """Several all-gathers (output i: (shard_numel_i * N,), input i: (shard_numel_i,)) issued as one
         coalesced collective: one round of latency instead of one per buffer (gloo, 10 buffers of 46k
         floats at 2 ranks: 9-11 ms separately, 4-7 ms coalesced). Asynchronous; each is recorded and
-        counted as its own all-gather, all of them (and their debug-mode checks) before any is issued."""
+        counted as its own all-gather, all of them (and their debug-mode checks) before any is issued.
+        Under TORCH_DISTRIBUTED_DEBUG=DETAIL they are issued one by one: torch's checks of every
+        collective (a barrier and a comparison before each) skip coalesced ones, so a rank issuing
+        something else beside a coalesced gather would hang there instead of being reported."""
         labels = labels or [None] * len(outputs)
         for output, input, label in zip(outputs, inputs, labels):
             assert output.numel() == input.numel() * self.world_size, (output.numel(), input.numel(), self.world_size)
@@ -309,10 +334,10 @@ class Comm:
             for output, input in zip(outputs, inputs):
                 output.view(self.world_size, -1).copy_(input.view(1, -1).expand(self.world_size, -1))
             return _DONE
-        with record_function("zerokit::all_gather"), self.report_failure():
-            if len(outputs) == 1:
-                return Handle(dist.all_gather_single(outputs[0], inputs[0], group=self.group, async_op=True),
-                              comm=self)
+        with profiled("zerokit::all_gather"), self.report_failure():
+            if len(outputs) == 1 or _torch_checks_each_collective():
+                return Handle(_Works([dist.all_gather_single(output, input, group=self.group, async_op=True)
+                                      for output, input in zip(outputs, inputs)]), comm=self)
             with dist._coalescing_manager(group=self.group, async_ops=True) as coalesced:
                 for output, input in zip(outputs, inputs):
                     dist.all_gather_single(output, input, group=self.group)
@@ -325,7 +350,7 @@ class Comm:
         self._count("broadcast", _nbytes(tensor), tensor.numel(), phase)
         if not self.distributed:
             return
-        with record_function("zerokit::broadcast"), self.report_failure():
+        with profiled("zerokit::broadcast"), self.report_failure():
             dist.broadcast(tensor, src=self._global_rank(src), group=self.group)
 
     def all_reduce_scalars(self, values: torch.Tensor, op: str = "sum", label: str | None = None) -> torch.Tensor:

@@ -51,9 +51,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
-from zerokit.core.comm import Comm, Handle, _nbytes, _shares_storage
+from zerokit.core.comm import Comm, Handle, _nbytes, _shares_storage, profiled
 from zerokit.core.estimate import resolve_shard_group_size
 from zerokit.core.tree import is_power_of_two, pairwise_sum_
 
@@ -197,7 +196,7 @@ class HybridComm(Comm):
         across = f"{label} across shard groups"
         self.replicate._record("all_reduce", output, across, phase)
         self.replicate._count("all_reduce", 2 * _nbytes(output), output.numel(), phase)
-        with record_function("zerokit::reduce_scatter"), self.report_failure():
+        with profiled("zerokit::reduce_scatter"), self.report_failure():
             if not self.ordered:  # native: reduce-scatter in the node, all-reduce of the shard across nodes
                 work = None
                 if s == 1:
