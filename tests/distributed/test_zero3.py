@@ -427,3 +427,54 @@ def test_evaluation_forward_frees_everything():
         engine(*odd_batch(0, BATCH))
     assert engine.unsharded_param_bytes() == 0
     assert "unsharded_params" not in engine.memory()
+
+
+# ---------------------------------------------------------------------- grad shards: zero_grad frees them
+
+
+class SometimesOddModel(OddModel):
+    """OddModel whose last block is skipped while `skip` is set: a unit no backward reaches that step."""
+
+    skip = False
+
+    def forward(self, idx, targets):
+        h = self.emb(idx)
+        for block in self.blocks[:-1] if self.skip else self.blocks:
+            h = block(h)
+        logits = self.head(self.norm(h) * self.gain)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def test_zero_grad_frees_the_grad_shards_until_backward_reduces_into_them():
+    """[Note: grad shards] in zerokit/stages/zero3.py: zero_grad frees every grad shard and `.grad` is None,
+    as after torch FSDP's zero_grad; each comes back with its unit's reduce-scatter."""
+    cls, opt_kw = ADAMW
+    engine = zk.shard(_model(), cls, stage=3, wrap=(OddBlock,), **opt_kw)
+    x, y = odd_batch(0, BATCH)
+    engine.backward(engine(x, y))
+    engine.step()
+    held = engine.memory()["grads"]
+    assert held == 4 * sum(fp.shard_numel for fp in engine.trainable)
+    assert all(p.grad is not None for p in engine.module.parameters() if p.requires_grad)
+    engine.zero_grad()
+    assert engine.memory().get("grads", 0) == 0
+    assert all(p.grad is None for p in engine.module.parameters())
+    engine.backward(engine(x, y))
+    assert engine.memory()["grads"] == held
+    assert all(p.grad is not None for p in engine.module.parameters() if p.requires_grad)
+
+
+def test_a_unit_no_backward_reached_steps_like_stage0():
+    """A unit skipped by a step's forward has no grad shard after zero_grad; the step updates it from zeros
+    (AdamW: decayed weights, moments decaying), exactly as stage 0's zeroed flat gradient does."""
+    cls, opt_kw = ADAMW
+    results = []
+    for stage in (0, 3):
+        model = _model(SometimesOddModel, num_blocks=3)
+        engine = zk.shard(model, cls, stage=stage, wrap=(OddBlock,), bucket_numel=40, **opt_kw)
+        losses = []
+        for step in range(4):
+            model.skip = step % 2 == 1
+            losses.append(train_step(engine, [odd_batch(step, BATCH)], lambda b: engine(*b)).loss.float())
+        results.append((torch.stack(losses), engine.state_dict(full=True)))
+    assert _differences(results[1], results[0]) == []

@@ -4,7 +4,8 @@ Stage 2 still holds every parameter whole between steps, although a rank updates
 own range. Stage 3 keeps only the param shards, and gathers a group of modules' parameters
 whole just for that group's forward and backward: a *unit* (core/unit.py). That is the one
 idea this file adds to stage 2; the gradient path (lazy full-size gradients, a reduce-scatter
-per flat param as soon as it is complete, grad shards that persist) is stage 2's.
+per flat param as soon as it is complete) is stage 2's, except that zero_grad frees the grad
+shards ([Note: grad shards]).
 
 The model is split into units by the `wrap` policy (e.g. every GPT `Block`); the root unit
 holds every parameter no unit claims (embeddings, final norm, the tied head). Each unit's
@@ -12,7 +13,8 @@ parameters live in padded flat buffers (one per dtype / requires_grad / hyperpar
 within the unit, never split), of which only this rank's range persists:
 
     param_shard (shard_numel,)    persistent, param dtype; the optimizer's fp32 master covers it
-    grad_shard  (shard_numel,)    persistent, the gradient averaged over ranks for that range
+    grad_shard  (shard_numel,)    the gradient averaged over ranks for that range, from the first
+                                  reduce-scatter after zero_grad until the next zero_grad
     flat_data   (padded_numel,)   the gathered flat buffer; its storage is 0 bytes whenever the
                                   unit is sharded (core/unit.py [Note: storage, not .data])
 
@@ -53,6 +55,18 @@ Per-rank memory (Ψ parameters, up to padding < N elements per flat buffer):
   checkpointing]); both can add to the bound.
 
 Assumption, as for torch FSDP: every rank runs the same graph (same units in the same order).
+
+[Note: grad shards]
+A grad shard is needed from its flat param's first reduce-scatter to the optimizer step, and
+not between zero_grad and backward. zero_grad therefore frees every grad shard (as torch FSDP's
+zero_grad(set_to_none=True) frees the sharded `.grad`s) and the first reduce-scatter of the next
+backward allocates it: in a step that starts with zero_grad, backward's peak holds the grad
+shards of the units reduced so far rather than all of them (-4Ψ/N bytes at its start in fp32:
+0.93 MB on the small GPT at 2 ranks, measured by benchmarks/speed_vs_torch.py). Between
+zero_grad and that reduce-scatter, the params' `.grad` is None, as in torch. A flat param that
+no backward reached since zero_grad steps on zeros, as at stage 0 (`grad_shard` allocates
+them), so the stages stay bitwise equal. The model-state formula (16Ψ/N) is what a rank holds
+after backward and step, as for every stage.
 """
 from __future__ import annotations
 
@@ -111,15 +125,11 @@ class Zero3Engine(Checkpointing, Engine):
             self.flat_data.append(data)
             fp.use_as_grad_storage(None)  # allocated lazily, just before autograd needs it
             self.flat_grads.append(None)
-            self.grad_shards.append(fp.new_flat(policy.reduce_dtype, numel=fp.shard_numel)
-                                    if fp.requires_grad else None)
+            self.grad_shards.append(None)  # allocated by the first reduce-scatter after zero_grad ([Note: grad shards])
             self.grad_shard_written.append(False)
         self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
-        # What `.grad` shows between backwards: this rank's part of the grad shard, per param.
-        self.shown_grads = {fp.index: fp.sharded_grads(self.grad_shards[fp.index], comm, lambda: self.loss_scale)
-                            for fp in self.trainable}
-        for fp in self.trainable:
-            fp.show_grads(self.shown_grads[fp.index])
+        # What `.grad` shows between backwards while the grad shard exists: this rank's part of it, per param.
+        self.shown_grads: dict[int, list] = {}
         self.optimizer = ShardedOptimizer(
             optimizer_cls, optimizer_kwargs,
             param_shards=[self.param_shards[fp.index] for fp in self.trainable],
@@ -223,7 +233,8 @@ class Zero3Engine(Checkpointing, Engine):
         """Honour what user code did to `.grad` since the last backward (core/user_grads.py [Note: param.grad
         belongs to the user]): a cleared param's part of the grad shard starts again from zero, as after
         zero_grad(); an assigned tensor is copied into the full gradient, the gradient to accumulate onto."""
-        if fp.zero_shard_parts(self.grad_shards[fp.index], cleared + replaced):
+        shard = self.grad_shards[fp.index]
+        if shard is not None and fp.zero_shard_parts(shard, cleared + replaced):
             self.grad_shard_written[fp.index] = False  # the next reduce-scatter lands directly, as after zero_grad
         for j, view in zip(replaced, fp.grad_views_of(grad, replaced)):
             view.copy_(fp.params[j].grad.reshape(-1))
@@ -264,7 +275,7 @@ class Zero3Engine(Checkpointing, Engine):
         the grad shard when an earlier backward since zero_grad wrote it (as torch's .grad accumulates).
         """
         reduction = self.reductions[fp.index] = self.grad_reduction(fp, self.flat_grads[fp.index])
-        reduction.reduce_scatter(self.grad_shards[fp.index], accumulate=self.grad_shard_written[fp.index])
+        reduction.reduce_scatter(self.grad_shard(fp), accumulate=self.grad_shard_written[fp.index])
         self.grad_shard_written[fp.index] = True
         if reduction.copied:  # the collective reads the reduce-dtype copy: the param-dtype gradient can go now
             self.release_flat_grad(fp)
@@ -276,25 +287,36 @@ class Zero3Engine(Checkpointing, Engine):
         self.in_flight.push(reduction, on_done)
 
     def release_flat_grad(self, fp: FlatParamLayout) -> None:
-        """Drop the full-size gradient; `.grad` shows this rank's part of the average again."""
-        fp.show_grads(self.shown_grads[fp.index])
+        """Drop the full-size gradient; `.grad` shows this rank's part of the average again (None while the
+        grad shard does not exist)."""
+        fp.show_grads(self.shown_grads.get(fp.index) or [None] * len(fp.params))
         self.flat_grads[fp.index] = None
+
+    def grad_shard(self, fp: FlatParamLayout) -> torch.Tensor:
+        """The flat param's (shard_numel,) grad shard, allocated (zeros) if zero_grad freed it: [Note: grad shards]."""
+        if self.grad_shards[fp.index] is None:
+            shard = self.grad_shards[fp.index] = fp.new_flat(self.policy.reduce_dtype, numel=fp.shard_numel)
+            self.shown_grads[fp.index] = fp.sharded_grads(shard, self.comm, lambda: self.loss_scale)
+            self.grad_shard_written[fp.index] = False
+        return self.grad_shards[fp.index]
 
     # 4. step ---------------------------------------------------------------------------
     def step(self) -> bool:
         """Update this rank's shards. No all-gather: the next forward gathers. False if fp16 skipped it."""
         self.finish_backward()
         self.check_user_grads_before_step()
-        return self.optimizer.step([self.grad_shards[fp.index] for fp in self.trainable], self.take_clip_coef())
+        # A flat param no backward reached since zero_grad steps on zeros, as at stage 0.
+        return self.optimizer.step([self.grad_shard(fp) for fp in self.trainable], self.take_clip_coef())
 
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
         self.clip_coef = None
         self.clear_partials()
-        for fp in self.trainable:
-            self.release_flat_grad(fp)  # a gradient kept by no_sync and never sent goes too
-            self.grad_shards[fp.index].zero_()
+        for fp in self.trainable:  # [Note: grad shards]
+            self.grad_shards[fp.index] = None
+            self.shown_grads.pop(fp.index, None)
             self.grad_shard_written[fp.index] = False
+            self.release_flat_grad(fp)  # a gradient kept by no_sync and never sent goes too; `.grad` is None
 
     # 6. state_dict ----------------------------------------------------------------------
     def state_dict(self, full: bool = True) -> dict[str, torch.Tensor]:
@@ -354,7 +376,7 @@ class Zero3Engine(Checkpointing, Engine):
                     unit.reshard()
 
     def norm_shards(self) -> list[torch.Tensor]:
-        return [self.grad_shards[fp.index] for fp in self.trainable]
+        return [self.grad_shard(fp) for fp in self.trainable]
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         out = {
