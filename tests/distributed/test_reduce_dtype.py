@@ -79,10 +79,10 @@ def _watch_collectives(engine, seen: list) -> list[bool]:
 
     all_gather_many = comm.all_gather_many
 
-    def wrapped_all_gather_many(outputs, inputs, phase=None, labels=None):  # coalesced: each pair checked
+    def wrapped_all_gather_many(outputs, inputs, phase=None, labels=None, coalesce=True):  # each pair checked
         for output, input in zip(outputs, inputs):
             check("all_gather", phase, [output, input], None)
-        return all_gather_many(outputs, inputs, phase=phase, labels=labels)
+        return all_gather_many(outputs, inputs, phase=phase, labels=labels, coalesce=coalesce)
 
     comm.all_reduce, comm.reduce_scatter, comm.all_gather = wrapped_all_reduce, wrapped_reduce_scatter, wrapped_all_gather
     comm.all_gather_many = wrapped_all_gather_many

@@ -317,14 +317,19 @@ class Comm:
             return Handle(work, comm=self) if async_op else _DONE
 
     def all_gather_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], phase: str | None = None,
-                        labels: list[str] | None = None) -> Handle:
-        """Several all-gathers (output i: (shard_numel_i * N,), input i: (shard_numel_i,)) issued as one
-        coalesced collective: one round of latency instead of one per buffer (gloo, 10 buffers of 46k
-        floats at 2 ranks: 9-11 ms separately, 4-7 ms coalesced). Asynchronous; each is recorded and
-        counted as its own all-gather, all of them (and their debug-mode checks) before any is issued.
-        Under TORCH_DISTRIBUTED_DEBUG=DETAIL they are issued one by one: torch's checks of every
-        collective (a barrier and a comparison before each) skip coalesced ones, so a rank issuing
-        something else beside a coalesced gather would hang there instead of being reported."""
+                        labels: list[str] | None = None, coalesce: bool = True) -> Handle:
+        """Several all-gathers (output i: (shard_numel_i * N,), input i: (shard_numel_i,)) issued together,
+        waited for as one. Asynchronous; each is recorded and counted as its own all-gather, all of them
+        (and their debug-mode checks) before any is issued.
+
+        `coalesce`: as one coalesced collective, one round of latency instead of one per buffer (gloo,
+        10 buffers of 46k floats at 2 ranks: 9-11 ms separately, 4-7 ms coalesced). Its price on gloo:
+        the coalesced gather concatenates the inputs and gathers into one temporary buffer of every
+        output's size before copying out (Σ outputs + Σ inputs more bytes while it runs), so a caller
+        whose gathers come at its peak (stage 3's units in backward) passes False. Under
+        TORCH_DISTRIBUTED_DEBUG=DETAIL they are never coalesced: torch's checks of every collective (a
+        barrier and a comparison before each) skip coalesced ones, so a rank issuing something else
+        beside a coalesced gather would hang there instead of being reported."""
         labels = labels or [None] * len(outputs)
         for output, input, label in zip(outputs, inputs, labels):
             assert output.numel() == input.numel() * self.world_size, (output.numel(), input.numel(), self.world_size)
@@ -335,7 +340,7 @@ class Comm:
                 output.view(self.world_size, -1).copy_(input.view(1, -1).expand(self.world_size, -1))
             return _DONE
         with profiled("zerokit::all_gather"), self.report_failure():
-            if len(outputs) == 1 or _torch_checks_each_collective():
+            if not coalesce or len(outputs) == 1 or _torch_checks_each_collective():
                 return Handle(_Works([dist.all_gather_single(output, input, group=self.group, async_op=True)
                                       for output, input in zip(outputs, inputs)]), comm=self)
             with dist._coalescing_manager(group=self.group, async_ops=True) as coalesced:

@@ -94,9 +94,10 @@ class Unit:
         assert self.state is UnitState.SHARDED, (self.name, self.state)
         for flat in self.flat_data:
             _alloc_storage(flat)  # on the compute stream; see below
-        if self.gather_stream is None:  # a unit's flat params (trainable, frozen, per group) in one collective
+        if self.gather_stream is None:  # a unit's flat params (trainable, frozen, per group), issued together
+            # Not coalesced: on gloo that costs a temporary of the whole unit at backward's peak (Comm.all_gather_many).
             self._handles = [self.comm.all_gather_many(self.flat_data, self.param_shards, phase=phase,
-                                                       labels=self.gather_labels)]
+                                                       labels=self.gather_labels, coalesce=False)]
         else:
             # The side stream first waits for the compute stream (the optimizer may just have
             # written the shards), gathers, and records an event the compute stream waits on
