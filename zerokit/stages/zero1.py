@@ -12,10 +12,13 @@ What happens, per step (differences from stage 0 marked *):
     parameters become views into flat buckets, their `.grad`s views into flat gradient
     buckets; *the optimizer is built over this rank's param_shard views only, and its
     grad_shard is a view of this rank's own range of the full gradient bucket;
-  * backward: gradients accumulate in the full flat gradient buckets;
-  * *end of backward: each bucket is scaled by 1/N and reduce-scattered in place: the
-    rank-average of this rank's range overwrites that range (the grad_shard); the other
-    ranges keep this rank's local contribution, unused until zero_grad;
+  * backward: gradients accumulate in the full flat gradient buckets; *as soon as a bucket is
+    complete (in bucket order, as stage 0 all-reduces it) it is scaled by 1/N and
+    reduce-scattered in place, overlapping the rest of backward: the rank-average of this
+    rank's range overwrites that range (the grad_shard); the other ranges keep this rank's
+    local contribution, unused until zero_grad. The lecture's stage 1 reduces after backward;
+    issuing each bucket's half of the all-reduce when stage 0 would issue the whole costs no
+    memory (the buckets are whole anyway) and hides it behind backward;
   * step: *every rank updates its own shard, then all-gathers the updated shards back
     into the full flat buffers in place, so the module's parameters see the new values.
 
@@ -138,18 +141,19 @@ class Zero1Engine(Checkpointing, Engine):
         fp.use_as_grad_storage(grad)  # plain views: autograd accumulates into the bucket
 
     def _on_bucket_ready(self, fp: FlatParamLayout) -> None:
-        """A bucket's gradients are all accumulated. Stage 1 keeps the full gradient until backward ends
-        (under reduction="tree" and no_sync, it moves into the bucket's pairwise partial sums: core/tree.py)."""
+        """A bucket's gradients are all accumulated: reduce-scatter it now, while backward goes on (buckets are
+        released in bucket order: the same collective sequence on every rank). Under no_sync the gradients
+        keep accumulating in the full bucket (under reduction="tree", in its pairwise partial sums: core/tree.py)."""
+        if self.sync_gradients:
+            self.reduce_scatter_grad(fp)
+            return
         partials = self.partials_of(fp)
-        if partials is not None and not self.sync_gradients:
+        if partials is not None:
             partials.add(self.flat_grads[fp.index], reuse=True)
             self.flat_grads[fp.index].zero_()
 
     # 3. finish backward ---------------------------------------------------------------
     def _on_backward_end(self) -> None:
-        if self.sync_gradients:  # no_sync: gradients keep accumulating in the full buckets
-            for fp in self.trainable:  # bucket order: the same collective sequence on every rank
-                self.reduce_scatter_grad(fp)
         self.in_flight.wait_all()
         if self.sync_gradients:  # `.grad` shows what exists of the average: this rank's shard
             for index, shown in self.shown_grads.items():
