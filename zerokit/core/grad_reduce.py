@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from zerokit.core.comm import free_storage
 from zerokit.core.tree import PartialSums
 
 __all__ = ["GradReduction"]
@@ -108,4 +109,7 @@ class GradReduction:
         if self._add_into is not None:
             self._add_into.add_(self.result)
             self.result, self._add_into = self._add_into, None
+        for t in self.transient:
+            if t is not self.result:
+                free_storage(t)  # now, on this thread: core/comm.py [Note: frees at a fixed point]
         self.transient = [t for t in self.transient if t is self.result]

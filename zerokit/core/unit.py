@@ -44,6 +44,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from zerokit.core.comm import free_storage  # noqa: F401 -- also the stages' import
 from zerokit.core.config import WrapPolicy, wrap_matcher
 from zerokit.core.flat_param import FlatParamLayout, ParamInfo, summarize_names
 from zerokit.core.nest import map_tensors, tensors_in
@@ -262,9 +263,4 @@ def _alloc_storage(t: torch.Tensor) -> None:
     if t.untyped_storage().nbytes() != nbytes:
         t.untyped_storage().resize_(nbytes)
 
-
-def free_storage(t: torch.Tensor) -> None:
-    """Give back a tensor's bytes, keeping the tensor (and every view of it) for a later re-allocation."""
-    if t.untyped_storage().nbytes() != 0:
-        t.untyped_storage().resize_(0)
 

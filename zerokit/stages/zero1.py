@@ -57,6 +57,7 @@ from torch import nn
 
 from zerokit.checkpoint import Checkpointing
 from zerokit.core.bucketing import InFlight
+from zerokit.core.comm import free_storage
 from zerokit.core.config import ShardConfig
 from zerokit.core.engine import Engine
 from zerokit.core.flat_param import FlatParamLayout, broadcast_module_state, build_flat_params, check_module
@@ -203,6 +204,8 @@ class Zero1Engine(Checkpointing, Engine):
         # One coalesced collective for every bucket: one round of latency, not one per bucket.
         self.comm.all_gather_many([self.flat_data[fp.index] for fp in self.trainable], inputs, phase="step",
                                   labels=[f"updated params of {fp.label}" for fp in self.trainable]).wait()
+        for clone in inputs:  # freed here, not whenever the Work lets go: core/comm.py [Note: frees at a fixed point]
+            free_storage(clone)
         inputs.clear()
 
     # 5. zero_grad ------------------------------------------------------------------------
