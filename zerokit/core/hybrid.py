@@ -52,7 +52,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from zerokit.core.comm import Comm, Handle, _nbytes, _shares_storage, profiled
+from zerokit.core.comm import Comm, Handle, _nbytes, _shares_storage, free_storage, profiled
 from zerokit.core.estimate import resolve_shard_group_size
 from zerokit.core.tree import is_power_of_two, pairwise_sum_
 
@@ -205,13 +205,17 @@ class HybridComm(Comm):
                     result = torch.empty_like(output)
                     dist.reduce_scatter_single(result, input, group=self.group)
                     output.copy_(result)
+                    free_storage(result)  # core/comm.py [Note: frees at a fixed point]
                 else:
                     work = dist.reduce_scatter_single(output, input, group=self.group, async_op=True)
                 handle = Handle(work, lambda: dist.all_reduce(output, group=self.replicate.group), comm=self)
             else:
                 rows, work = self._node_rows(input)
-                finish = (lambda: self._tree_across(output, rows)) if self.tree else \
-                    (lambda: self._chain_across(output, rows))
+
+                def finish():
+                    (self._tree_across if self.tree else self._chain_across)(output, rows)
+                    free_storage(rows)  # the receive buffer: core/comm.py [Note: frees at a fixed point]
+
                 handle = Handle(work, finish, comm=self)
         if not async_op:
             handle.wait()
