@@ -55,8 +55,8 @@ all-gather's input clone) are referenced by the process group's Work as well as 
 The Work is released by gloo's worker thread shortly after the CPU's wait() returns, so
 dropping zerokit's reference leaves the last one, and the free, to that thread at a time that
 varies from run to run: the allocator's live bytes at a step boundary then sometimes include a
-buffer the step no longer uses (seen: stage 1's gather clones, 0.93 MB, at one boundary in six
-runs of benchmarks/speed_vs_torch.py). Once the collective has completed, zerokit frees the
+buffer the step no longer uses (seen: stage 1's gather clones, 0.93 MB, at one boundary in one of
+seven runs of benchmarks/speed_vs_torch.py). Once the collective has completed, zerokit frees the
 temporary's storage itself, on its own thread (`free_storage`), at the same point of every step.
 
 [Note: debug mode]
@@ -485,14 +485,21 @@ class Comm:
 
     # ------------------------------------------------------------------ ordered recipe
     def _ordered_reduce_scatter(self, output, input, async_op) -> Handle:
+        """An all-to-all: row r of what arrives is rank r's contribution to my range (N·shard,)."""
+        return self._receive_rows_and_sum(output, input, dist.all_to_all_single, async_op)
+
+    def _receive_rows_and_sum(self, output, input, collective, async_op) -> Handle:
+        """Both ordered recipes: `collective` (an all-to-all or an all-gather) brings the N rows of
+        `output`'s sum into an (N·output.numel(),) receive buffer, then `_sum_rows` adds them in rank
+        order (pairwise under the tree) and the buffer is freed ([Note: frees at a fixed point])."""
         n = self.world_size
-        received = torch.empty(input.numel(), dtype=input.dtype, device=input.device)  # (N * shard,)
+        received = torch.empty(n * output.numel(), dtype=input.dtype, device=input.device)  # (N, numel) rows
 
         def finish():
-            self._sum_rows(output, received.view(n, -1))  # row r = rank r's contribution to my range
-            free_storage(received)  # [Note: frees at a fixed point]
+            self._sum_rows(output, received.view(n, -1))
+            free_storage(received)
 
-        work = dist.all_to_all_single(received, input, group=self.group, async_op=async_op)
+        work = collective(received, input, group=self.group, async_op=async_op)
         handle = Handle(work if async_op else None, finish, comm=self)
         if not async_op:
             handle.wait()
@@ -532,18 +539,7 @@ class Comm:
     def _gathered_all_reduce(self, tensor, async_op) -> Handle:
         """An ordered all-reduce in one collective: every rank gathers every rank's whole buffer and sums
         the N rows in rank order (pairwise under the tree). See [Note: ordered reduction]."""
-        n = self.world_size
-        rows = torch.empty(n * tensor.numel(), dtype=tensor.dtype, device=tensor.device)  # (N * numel,)
-
-        def finish():
-            self._sum_rows(tensor, rows.view(n, -1))  # row r = rank r's whole buffer
-            free_storage(rows)  # [Note: frees at a fixed point]
-
-        work = dist.all_gather_single(rows, tensor, group=self.group, async_op=async_op)
-        handle = Handle(work if async_op else None, finish, comm=self)
-        if not async_op:
-            handle.wait()
-        return handle
+        return self._receive_rows_and_sum(tensor, tensor, dist.all_gather_single, async_op)
 
     def _global_rank(self, group_rank: int) -> int:
         if self.group is None:

@@ -20,7 +20,6 @@ their own flat buffers: no gradient, no master copy, no optimizer state.
 from __future__ import annotations
 
 import functools
-
 import os
 from dataclasses import dataclass
 from typing import Callable

@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from zerokit.core.comm import free_storage  # noqa: F401 -- also the stages' import
+from zerokit.core.comm import free_storage
 from zerokit.core.config import WrapPolicy, wrap_matcher
 from zerokit.core.flat_param import FlatParamLayout, ParamInfo, summarize_names
 from zerokit.core.nest import map_tensors, tensors_in

@@ -78,6 +78,7 @@ from torch import nn
 
 from zerokit.checkpoint import Checkpointing
 from zerokit.core.bucketing import InFlight
+from zerokit.core.comm import free_storage
 from zerokit.core.config import ShardConfig
 from zerokit.core.engine import Engine
 from zerokit.core.flat_param import FlatParamLayout, broadcast_module_state, build_flat_params, check_module
@@ -85,7 +86,7 @@ from zerokit.core.grad_reduce import GradReduction
 from zerokit.core.hooks import GradReadyTracker
 from zerokit.core.nest import tensors_in
 from zerokit.core.prefetch import RecordedOrder, reverse_first_calls
-from zerokit.core.unit import Unit, UnitState, free_storage, split_into_units
+from zerokit.core.unit import Unit, UnitState, split_into_units
 from zerokit.optim.sharded import ShardedOptimizer
 
 
