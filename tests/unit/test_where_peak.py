@@ -33,5 +33,7 @@ def test_stage3_beside_fsdp2_on_the_tiny_model(tmp_path):
     zk_run = record["runs"][0]
     # after the step (zerokit clears gradients at the start of the next one): 16Ψ/N, up to padding
     assert formula <= zk_run["boundary_bytes"] <= formula * 1.01
-    # this thread's live blocks at the boundary are the model states themselves
-    assert sum(b for _, b in zk_run["boundary_groups"]) == zk_run["boundary_bytes"]
+    # This thread's live blocks at the boundary hold at least the counter's bytes: a block freed on a gloo
+    # thread (gloo's own all-gather buffer, whose free has no event here) still counts in the groups, so
+    # equality holds in some runs only (one CI run: 253,488 in the groups, 236,976 counted).
+    assert sum(b for _, b in zk_run["boundary_groups"]) >= zk_run["boundary_bytes"]
