@@ -56,8 +56,16 @@ engine.step()
 del engine, model, loss
 gc.collect()
 dist.destroy_process_group()
+def thread_names():
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{t}/comm").read().strip())
+        except FileNotFoundError:  # the thread ended between the listing and the read
+            pass
+    return sorted(names)
 for _ in range(20):  # gloo's loop thread may take a moment to stop after the group is destroyed
-    names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    names = thread_names()
     if not any(n.startswith("gloo") for n in names):
         break
     time.sleep(0.1)

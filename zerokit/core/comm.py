@@ -31,14 +31,22 @@ torch's DDP does, which makes world size 2 bitwise equal to DDP (a + b == b + a)
 collective on NCCL (speed is the point there). At N = 2 an ordered all-reduce is a native
 one: an element's sum is one addition, a + b == b + a, so any algorithm gives the same bits,
 in one collective instead of two (the reduce-scatter stays an all-to-all on gloo, whose own
-reduce-scatter is an all-reduce of the whole buffer inside: more bytes, measured slower). From 3
-to GATHERED_ALL_REDUCE_MAX_RANKS ranks an ordered all-reduce is one all-gather of every rank's
-whole buffer and a local sum of the N rows in rank order: the same additions in the same order
-as the reduce-scatter + all-gather recipe, so the same bits, in one collective instead of two,
-at the price of (N - 1)·B bytes received instead of 2(N - 1)/N·B and an (N·B,) receive buffer
-while it runs. Measured on 4 gloo ranks, small GPT (2 cores): stage 0's backward 123-130 ms ->
-87-94 ms, torch DDP's 74-85 ms; step 151-162 ms -> 114-123 ms, DDP 107-126 ms. Above 8 ranks the
-bytes and the buffer grow with N, and the two-collective recipe is kept. With `tree=True` (`zk.shard(reduction="tree")`)
+reduce-scatter is an all-reduce of the whole buffer inside: more bytes, measured slower). At 3+
+ranks the two halves of an ordered all-reduce (stage 0's buckets, issued one by one in backward)
+run apart. A bucket's all-to-all is issued when the bucket is ready. Its rows are summed into
+this rank's own range of the bucket as soon as they have arrived, which frees the (B,) receive
+buffer early: checked without blocking whenever the next bucket is issued (local work, which
+may happen at different moments on different ranks). The all-gathers of the sums of every
+waiting bucket are issued together, one coalesced collective, at the first wait() on any of them
+(the end of backward), or before any other kind of collective is recorded: points every rank
+reaches at the same place in its sequence of collectives, so the sequences still match.
+Measured against the two ways tried before (4 gloo ranks, small GPT, 2 cores,
+benchmarks/speed_vs_torch.py, two runs each): each bucket's all-gather issued right after its
+all-to-all completes, before the next bucket's: step 1.13-1.27x torch DDP (two rendezvous of every
+rank per bucket); one all-gather of every rank's whole bucket and a local sum of the N rows (one
+collective, the same additions): 0.94-1.01x DDP, but an (N·B,) receive buffer per bucket in
+flight, peak 22.26 MB against DDP's 21.42; deferred and coalesced: 0.88-0.99x DDP, peak 21.23 MB.
+With `tree=True` (`zk.shard(reduction="tree")`)
 the local sum adds the N contributions pairwise, (r0 + r1) + (r2 + r3), the upper levels
 of the binary tree that makes the bits independent of N (core/tree.py [Note:
 world-size-independent bits]); it implies ordered, on NCCL too, and needs N a power of two.
@@ -111,8 +119,6 @@ if dist.is_available():
     import torch.distributed.nn  # noqa: F401
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-# Up to this many ranks an ordered all-reduce gathers whole buffers ([Note: ordered reduction]).
-GATHERED_ALL_REDUCE_MAX_RANKS = 8
 
 
 class Handle:
@@ -123,6 +129,10 @@ class Handle:
         self._finish = finish  # local step run after the communication (ordered sum)
         self._comm = comm  # whose recorder a failure reports
         self.done = False
+
+    def completed(self) -> bool:
+        """True once wait() would not block on communication."""
+        return self.done or self._work is None or self._work.is_completed()
 
     def wait(self) -> None:
         if self.done:
@@ -137,6 +147,21 @@ class Handle:
 
 _DONE = Handle()
 _DONE.done = True
+
+
+class _SecondHalf(Handle):
+    """An ordered all-reduce past its all-to-all, waiting for its all-gather (`Comm._issue_second_halves`)."""
+
+    def __init__(self, comm: "Comm", reduced: Handle, tensor: torch.Tensor, mine: torch.Tensor,
+                 rec: CollectiveRecord):
+        super().__init__(None, None, comm)
+        self.reduced, self.tensor, self.mine, self.rec = reduced, tensor, mine, rec
+        self.issued = False
+
+    def wait(self) -> None:
+        if not self.issued:
+            self._comm._issue_second_halves()
+        super().wait()
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -212,6 +237,7 @@ class Comm:
         self.calls = collections.Counter()  # kind -> number of collectives issued
         self.trace: list[tuple[str, int, str]] | None = None  # (kind, numel, phase) when recording
         self.recorder = CollectiveRecorder()  # this rank's last collectives, in ZeRO terms (core/recorder.py)
+        self._second_halves: collections.deque = collections.deque()  # ordered all-reduces awaiting their all-gather
         if debug is None:
             debug = os.environ.get("ZEROKIT_DEBUG", "").strip() not in ("", "0")
         self.debug = bool(debug)  # see [Note: debug mode]
@@ -287,8 +313,6 @@ class Comm:
             return _DONE
         with profiled("zerokit::all_reduce"), self.report_failure():
             if op == "sum" and self.ordered and self.world_size > 2:  # N = 2: one addition, any order
-                if self.world_size <= GATHERED_ALL_REDUCE_MAX_RANKS:
-                    return self._gathered_all_reduce(tensor, async_op)
                 return self._ordered_all_reduce(tensor, async_op, rec)
             work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op)
             return Handle(work, comm=self) if async_op else _DONE
@@ -363,13 +387,17 @@ class Comm:
                 output.view(self.world_size, -1).copy_(input.view(1, -1).expand(self.world_size, -1))
             return _DONE
         with profiled("zerokit::all_gather"), self.report_failure():
-            if not coalesce or len(outputs) == 1 or _torch_checks_each_collective():
-                return Handle(_Works([dist.all_gather_single(output, input, group=self.group, async_op=True)
-                                      for output, input in zip(outputs, inputs)]), comm=self)
-            with dist._coalescing_manager(group=self.group, async_ops=True) as coalesced:
-                for output, input in zip(outputs, inputs):
-                    dist.all_gather_single(output, input, group=self.group)
-            return Handle(coalesced, comm=self)
+            return Handle(self._gather_many(outputs, inputs, coalesce), comm=self)
+
+    def _gather_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], coalesce: bool):
+        """`all_gather_many`'s collectives, issued (see there for `coalesce`); a Work-like to wait on."""
+        if not coalesce or len(outputs) == 1 or _torch_checks_each_collective():
+            return _Works([dist.all_gather_single(output, input, group=self.group, async_op=True)
+                           for output, input in zip(outputs, inputs)])
+        with dist._coalescing_manager(group=self.group, async_ops=True) as coalesced:
+            for output, input in zip(outputs, inputs):
+                dist.all_gather_single(output, input, group=self.group)
+        return coalesced
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, phase: str | None = None,
                   label: str | None = None) -> None:
@@ -424,6 +452,11 @@ class Comm:
     # ------------------------------------------------------------------ recorder, debug mode
     def _record(self, op: str, tensor: torch.Tensor | None, label: str | None, phase: str | None) -> CollectiveRecord:
         """Record the collective about to be issued; in debug mode, check every rank is about to issue it."""
+        if self._second_halves:
+            if op == "all_reduce":
+                self._sum_arrived_rows()
+            else:
+                self._issue_second_halves()  # before any other collective, on every rank
         rec = self.recorder.record(op, tensor, label, phase)
         if self.debug and self.distributed:
             self._check_same(rec.fingerprint(), _doing(rec))
@@ -485,13 +518,9 @@ class Comm:
 
     # ------------------------------------------------------------------ ordered recipe
     def _ordered_reduce_scatter(self, output, input, async_op) -> Handle:
-        """An all-to-all: row r of what arrives is rank r's contribution to my range (N·shard,)."""
-        return self._receive_rows_and_sum(output, input, dist.all_to_all_single, async_op)
-
-    def _receive_rows_and_sum(self, output, input, collective, async_op) -> Handle:
-        """Both ordered recipes: `collective` (an all-to-all or an all-gather) brings the N rows of
-        `output`'s sum into an (N·output.numel(),) receive buffer, then `_sum_rows` adds them in rank
-        order (pairwise under the tree) and the buffer is freed ([Note: frees at a fixed point])."""
+        """An all-to-all brings rank r's contribution to my range as row r of an (N·output.numel(),)
+        receive buffer; `_sum_rows` adds the rows in rank order (pairwise under the tree), then the
+        buffer is freed ([Note: frees at a fixed point])."""
         n = self.world_size
         received = torch.empty(n * output.numel(), dtype=input.dtype, device=input.device)  # (N, numel) rows
 
@@ -499,7 +528,7 @@ class Comm:
             self._sum_rows(output, received.view(n, -1))
             free_storage(received)
 
-        work = collective(received, input, group=self.group, async_op=async_op)
+        work = dist.all_to_all_single(received, input, group=self.group, async_op=async_op)
         handle = Handle(work if async_op else None, finish, comm=self)
         if not async_op:
             handle.wait()
@@ -507,8 +536,9 @@ class Comm:
 
     def _sum_rows(self, output: torch.Tensor, rows: torch.Tensor) -> None:
         """output = the sum of rows (N, m), row r being rank r's: in rank order 0..N-1, or pairwise,
-        (r0 + r1) + (r2 + r3), under the tree (core/tree.py). The one sum both ordered recipes make,
-        so they give the same bits ([Note: ordered reduction]). `rows` may be destroyed."""
+        (r0 + r1) + (r2 + r3), under the tree (core/tree.py). The one sum every ordered reduction
+        makes, reduce-scatter and all-reduce alike, so they give the same bits ([Note: ordered
+        reduction]). `rows` may be destroyed."""
         if self.tree:
             output.copy_(pairwise_sum_(rows))
             return
@@ -517,29 +547,44 @@ class Comm:
             output.add_(rows[r])
 
     def _ordered_all_reduce(self, tensor, async_op, rec: CollectiveRecord) -> Handle:
+        """All-to-all + rank-order sum + all-gather, the all-gather issued when this rank next calls a
+        collective, or waits ([Note: ordered reduction]). Temporaries: the all-to-all's (numel,)
+        receive buffer until the sum; the sum is written into this rank's own range of `tensor`, which
+        the all-gather then sends (in place)."""
         n = self.world_size
         assert tensor.numel() % n == 0, f"ordered all-reduce needs numel % world_size == 0, got {tensor.numel()} % {n}"
-        shard = torch.empty(tensor.numel() // n, dtype=tensor.dtype, device=tensor.device)  # (numel // N,)
-        rs = self._ordered_reduce_scatter(shard, tensor, async_op)
-
-        def finish():
-            rs.wait()
-            # Second half of the all-reduce; issued from wait() in the same order on every
-            # rank because every rank waits on its handles in the same order. Checked on its
-            # own in debug mode: a collective no call above has checked ([Note: debug mode]).
-            if self.debug:
-                self._check_same(rec.fingerprint() + ("all-gather half",), f"finishing (all-gather half) {_doing(rec)}")
-            dist.all_gather_single(tensor, shard, group=self.group)
-
-        handle = Handle(None, finish, comm=self)
+        mine = tensor.view(n, -1)[self.rank]  # (numel // N,): my range, read by the all-to-all before the sum lands
+        reduced = self._ordered_reduce_scatter(mine, tensor, async_op=True)
+        handle = _SecondHalf(self, reduced, tensor, mine, rec)
+        self._second_halves.append(handle)
         if not async_op:
             handle.wait()
         return handle
 
-    def _gathered_all_reduce(self, tensor, async_op) -> Handle:
-        """An ordered all-reduce in one collective: every rank gathers every rank's whole buffer and sums
-        the N rows in rank order (pairwise under the tree). See [Note: ordered reduction]."""
-        return self._receive_rows_and_sum(tensor, tensor, dist.all_gather_single, async_op)
+    def _sum_arrived_rows(self) -> None:
+        """Sum the rows of every waiting all-reduce whose all-to-all has arrived, freeing its receive buffer
+        now rather than at the end of backward. Local work only: what it does may differ between ranks."""
+        for half in self._second_halves:
+            if not half.reduced.done and half.reduced.completed():
+                half.reduced.wait()
+
+    def _issue_second_halves(self) -> None:
+        """Every waiting ordered all-reduce gets its all-gather: rows summed (waiting for the all-to-alls
+        still running), then one coalesced all-gather of all the sums, each into its own buffer. Called
+        from the first wait() on one of them, or before any other collective is recorded: points every
+        rank reaches at the same place in its sequence of collectives ([Note: ordered reduction])."""
+        halves = list(self._second_halves)
+        self._second_halves.clear()
+        with self.report_failure():
+            for half in halves:
+                half.reduced.wait()  # `mine` holds the sum, the receive buffer is freed
+            if self.debug:  # collectives no public call has checked ([Note: debug mode])
+                for half in halves:
+                    self._check_same(half.rec.fingerprint() + ("all-gather half",),
+                                     f"finishing (all-gather half) {_doing(half.rec)}")
+            work = self._gather_many([h.tensor for h in halves], [h.mine for h in halves], coalesce=True)
+        for half in halves:
+            half._work, half.issued = work, True
 
     def _global_rank(self, group_rank: int) -> int:
         if self.group is None:
