@@ -478,3 +478,31 @@ def test_a_unit_no_backward_reached_steps_like_stage0():
             losses.append(train_step(engine, [odd_batch(step, BATCH)], lambda b: engine(*b)).loss.float())
         results.append((torch.stack(losses), engine.state_dict(full=True)))
     assert _differences(results[1], results[0]) == []
+
+
+def test_a_flat_params_gradients_are_autograds_own_until_its_last_one():
+    """[Note: gradients packed when complete] in zerokit/stages/zero3.py: no full-size gradient exists
+    before a flat param's last gradient; until then each `.grad` is autograd's own tensor (its own
+    storage, not a view of a unit-sized buffer). After backward `.grad` shows the grad shard as before."""
+    cls, opt_kw = ADAMW
+    engine = zk.shard(_model(), cls, stage=3, wrap=(OddBlock,), **opt_kw)
+    seen = []  # (own storage?, full-size gradients in existence) as each gradient is accumulated
+
+    def look(p):
+        own = p.grad.untyped_storage().nbytes() == p.numel() * p.element_size()
+        seen.append((own, sum(g is not None for g in engine.flat_grads)))
+
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    for p in params:  # after zerokit's own hook, which packs at the last gradient
+        p.register_post_accumulate_grad_hook(look)
+    for step in range(2):
+        seen.clear()
+        engine.zero_grad()
+        engine.backward(engine(*odd_batch(step, BATCH)))
+        assert len(seen) == len(params)
+        assert seen[0] == (True, 0), seen  # the first gradient of backward: nothing full-size allocated
+        # every gradient but each flat param's last is autograd's own
+        assert sum(own for own, _ in seen) == len(params) - len(engine.trainable), seen
+        # at most the newest flat param's full gradient and the one reduce-scatter in flight beside it
+        assert max(n for _, n in seen) <= 2, seen
+        assert all(p.grad is not None and p.grad.numel() == p.numel() for p in params)

@@ -24,10 +24,11 @@ What happens, per step (differences from stage 2 marked *):
   * *forward: the root is gathered when the model is called; a forward pre-hook gathers each
     unit (already in flight when `prefetch` > 0, core/prefetch.py), the unit computes, and a
     forward hook frees it (`reshard_after_forward=True`) or keeps it for backward (False);
-  * backward: *a hook on a unit's outputs gathers it again before its backward ops run; as at
-    stage 2 a flat param's gradient is allocated lazily and reduce-scattered into its grad shard
-    as soon as it is complete, at most one reduce-scatter left in flight; *once the unit's
-    backward is over its parameters are freed (core/unit.py [Note: gather again in backward]);
+  * backward: *a hook on a unit's outputs gathers it again before its backward ops run; *autograd
+    makes each parameter's gradient, and once a flat param's are all there they are packed into
+    its full-size gradient ([Note: gradients packed when complete]), which is reduce-scattered into
+    its grad shard at once, at most one reduce-scatter left in flight; *once the unit's backward is
+    over its parameters are freed (core/unit.py [Note: gather again in backward]);
   * step: every rank updates its own shard. *No all-gather after it: the next forward gathers.
 
 Collectives per step, logical bytes per rank (p = param bytes/elt, g = grad bytes/elt):
@@ -67,6 +68,20 @@ zero_grad and that reduce-scatter, the params' `.grad` is None, as in torch. A f
 no backward reached since zero_grad steps on zeros, as at stage 0 (`grad_shard` allocates
 them), so the stages stay bitwise equal. The model-state formula (16Ψ/N) is what a rank holds
 after backward and step, as for every stage.
+
+[Note: gradients packed when complete]
+Stages 0-2 give every parameter a `.grad` view into its bucket's flat gradient before autograd's
+first accumulation, so gradients land in communication-ready storage. Stage 3 does not: a unit's
+whole flat gradient would then be allocated at the unit's first gradient, early in its backward,
+while that unit's activations are all still live, though most of its gradients are not computed
+yet (FSDP2 does not allocate it either). Instead `.grad` is None when autograd reaches a flat
+param (`_on_first_grad`), autograd makes each parameter's gradient, and when the last one is there
+(`_on_bucket_ready`) they are added into a zeroed (padded_numel,) buffer, `.grad` becomes a view
+of it, and autograd's tensors go. Adding onto zeros is what autograd's accumulation into a zeroed
+view did, so the bits are those of stages 0-2. Peak in a step, small GPT at 2 ranks
+(benchmarks/speed_vs_torch.py): 18.30 -> 18.00 MB. When a full gradient already exists (kept by
+no_sync) or user code assigned a `.grad`, autograd accumulates into the full gradient's views, as
+at stages 0-2.
 """
 from __future__ import annotations
 
@@ -124,7 +139,7 @@ class Zero3Engine(Checkpointing, Engine):
             fp32_values.append(fp.shard_of(fp32).clone())  # (under fp32, data and fp32 are one tensor)
             free_storage(data)  # the params stay views of it for good: core/unit.py [Note: storage, not .data]
             self.flat_data.append(data)
-            fp.use_as_grad_storage(None)  # allocated lazily, just before autograd needs it
+            fp.use_as_grad_storage(None)  # made by backward: [Note: gradients packed when complete]
             self.flat_grads.append(None)
             self.grad_shards.append(None)  # allocated by the first reduce-scatter after zero_grad ([Note: grad shards])
             self.grad_shard_written.append(False)
@@ -138,6 +153,8 @@ class Zero3Engine(Checkpointing, Engine):
             master_init=[fp32_values[fp.index] for fp in self.trainable])  # not their roundings
         del fp32_values
         self.in_flight = InFlight()
+        # Flat params whose gradients autograd is making param by param: [Note: gradients packed when complete]
+        self.unpacked: set[int] = set()
         self.reductions: dict[int, GradReduction] = {}  # flat param -> its reduce-scatter, until it completes
         self.tracker = GradReadyTracker(self.flat_params, self._on_bucket_ready, self._on_backward_end,
                                         on_first_grad=self._on_first_grad, in_order=False)
@@ -217,8 +234,14 @@ class Zero3Engine(Checkpointing, Engine):
 
     # 2. gradient hook ---------------------------------------------------------------
     def _on_first_grad(self, fp: FlatParamLayout) -> None:
-        """Autograd is about to accumulate this flat param's first gradient: give it full-size storage."""
+        """Autograd is about to accumulate this flat param's first gradient: let it make each parameter's
+        own ([Note: gradients packed when complete]), or give it the full-size gradient's views."""
         cleared, replaced = fp.user_grad_changes()
+        if self.flat_grads[fp.index] is None and not replaced:
+            self._adopt_user_grads(fp, cleared, [], None)
+            fp.show_grads([None] * len(fp.params))
+            self.unpacked.add(fp.index)
+            return
         if self.flat_grads[fp.index] is None:  # else kept from a no_sync micro-step
             grad = fp.new_flat()  # (padded_numel,) zeros; autograd accumulates into the params' views
         else:
@@ -230,7 +253,7 @@ class Zero3Engine(Checkpointing, Engine):
         self.flat_grads[fp.index] = grad
 
     def _adopt_user_grads(self, fp: FlatParamLayout, cleared: list[int], replaced: list[int],
-                          grad: torch.Tensor) -> None:
+                          grad: torch.Tensor | None) -> None:
         """Honour what user code did to `.grad` since the last backward (core/user_grads.py [Note: param.grad
         belongs to the user]): a cleared param's part of the grad shard starts again from zero, as after
         zero_grad(); an assigned tensor is copied into the full gradient, the gradient to accumulate onto."""
@@ -242,6 +265,8 @@ class Zero3Engine(Checkpointing, Engine):
 
     def _on_bucket_ready(self, fp: FlatParamLayout) -> None:
         """A flat param's gradients are all accumulated: reduce-scatter now, free the full buffer when done."""
+        if fp.index in self.unpacked:
+            self._pack_grads(fp)
         partials = self.partials_of(fp)  # reduction="tree": the pairwise partial sums (core/tree.py)
         if self.sync_gradients:  # no_sync: keep accumulating the full gradient; the last micro-step sends it
             self.reduce_scatter_grad(fp)
@@ -251,6 +276,17 @@ class Zero3Engine(Checkpointing, Engine):
             partials.add(self.flat_grads[fp.index], reuse=False)
             self.release_flat_grad(fp)
         self.unit_of[fp.index].grad_reduced()  # frees the unit if its backward is over
+
+    def _pack_grads(self, fp: FlatParamLayout) -> None:
+        """The params' own gradients, added into a zeroed full-size gradient; `.grad` becomes its views
+        and autograd's tensors go ([Note: gradients packed when complete])."""
+        self.unpacked.discard(fp.index)
+        grad = fp.new_flat()  # (padded_numel,) zeros; a param no gradient reached keeps its zeros
+        for p, view in zip(fp.params, fp.grad_views_of(grad, range(len(fp.params)))):
+            if p.grad is not None:
+                view.add_(p.grad.reshape(-1))  # 0 + g: autograd's accumulation into a zeroed view
+        fp.use_as_grad_storage(grad)
+        self.flat_grads[fp.index] = grad
 
     # 3. finish backward ---------------------------------------------------------------
     def _on_backward_end(self) -> None:
@@ -314,6 +350,7 @@ class Zero3Engine(Checkpointing, Engine):
         self.clip_coef = None
         self.clear_partials()
         for fp in self.trainable:  # [Note: grad shards]
+            self.unpacked.discard(fp.index)  # a backward left half-done: its params' own gradients go too
             self.grad_shards[fp.index] = None
             self.shown_grads.pop(fp.index, None)
             self.grad_shard_written[fp.index] = False
