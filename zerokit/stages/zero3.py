@@ -427,6 +427,8 @@ class Zero3Engine(Checkpointing, Engine):
         if alive:
             out["unsharded_params"] = alive
         grads = [g for g in self.flat_grads if g is not None]
+        grads += [p.grad for k in sorted(self.unpacked) for p in self.flat_params[k].params  # not packed yet:
+                  if p.grad is not None]  # autograd's own ([Note: gradients packed when complete])
         if grads:
             out["unsharded_grads"] = grads
         return out
