@@ -547,10 +547,10 @@ class Comm:
             output.add_(rows[r])
 
     def _ordered_all_reduce(self, tensor, async_op, rec: CollectiveRecord) -> Handle:
-        """All-to-all + rank-order sum + all-gather, the all-gather issued at the first wait() on a
-        waiting all-reduce, or before a collective of another kind ([Note: ordered reduction]).
-        Temporaries: the all-to-all's (numel,) receive buffer until the sum; the sum is written into
-        this rank's own range of `tensor`, which the all-gather then sends (in place)."""
+        """All-to-all + rank-order sum + all-gather, the all-gather issued when this rank next calls a
+        collective, or waits ([Note: ordered reduction]). Temporaries: the all-to-all's (numel,)
+        receive buffer until the sum; the sum is written into this rank's own range of `tensor`, which
+        the all-gather then sends (in place)."""
         n = self.world_size
         assert tensor.numel() % n == 0, f"ordered all-reduce needs numel % world_size == 0, got {tensor.numel()} % {n}"
         mine = tensor.view(n, -1)[self.rank]  # (numel // N,): my range, read by the all-to-all before the sum lands

@@ -282,9 +282,9 @@ class Zero3Engine(Checkpointing, Engine):
         and autograd's tensors go ([Note: gradients packed when complete])."""
         self.unpacked.discard(fp.index)
         grad = fp.new_flat()  # (padded_numel,) zeros; a param no gradient reached keeps its zeros
-        for p, view in zip(fp.params, fp.views(grad)):
+        for p, view in zip(fp.params, fp.grad_views_of(grad, range(len(fp.params)))):
             if p.grad is not None:
-                view.add_(p.grad)  # 0 + g: autograd's accumulation into a zeroed view
+                view.add_(p.grad.reshape(-1))  # 0 + g: autograd's accumulation into a zeroed view
         fp.use_as_grad_storage(grad)
         self.flat_grads[fp.index] = grad
 
