@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zerokit as zk
-from common import OddBlock, odd_batch, odd_model, train_torch_ddp, train_zerokit
+from common import OddBlock, fixed_corpus, odd_batch, odd_model, train_torch_ddp, train_zerokit
 from zerokit.commands.step import train_step
 from zerokit.launch import run_ranks
 
@@ -106,8 +106,8 @@ def test_training_with_clipping_matches_torch_ddp_and_stage_0(results, stage, op
 
 
 def _clipped_gpt_cases(rank, world_size):
-    from zerokit.models import Block, CharCorpus, build_model
-    corpus = CharCorpus.load()
+    from zerokit.models import Block, build_model
+    corpus = fixed_corpus()
     out = {}
     for precision in ("fp32", "bf16"):
         for stage in STAGES:

@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 
 import zerokit as zk
-from common import OddBlock, odd_batch, odd_model
+from common import OddBlock, fixed_corpus, odd_batch, odd_model
 from zerokit.commands.step import train_step
 from zerokit.core.comm import Comm, Handle
 from zerokit.launch import RankFailed, run_ranks
-from zerokit.models import Block, CharCorpus, build_model
+from zerokit.models import Block, build_model
 
 BATCH = 3
 DIVERGE_WITHIN_S = 30.0  # the claim: every rank raises within this (the group's own timeout is 60 s)
@@ -84,7 +84,7 @@ def test_debug_mode_names_both_ranks_when_one_skips_its_reductions(tmp_path, sta
 # -- (b) labels in ZeRO terms, and (d) debug mode leaves training bitwise unchanged ------------------
 def _labels_and_training(rank, world_size):
     """Per (stage, debug): one step's records (op, label, phase) and, after 3 steps, losses and state_dict."""
-    corpus = CharCorpus.load()
+    corpus = fixed_corpus()
     out = {}
     for stage in (2, 3):
         for debug in (False, True):
@@ -174,7 +174,7 @@ def _one_rank_stops(rank, world_size):
     torch.manual_seed(0)
     model = build_model("tiny")
     engine = zk.shard(model, torch.optim.AdamW, stage=3, wrap=(Block,), lr=1e-3, group=group)
-    x, y = CharCorpus.load().batch(2, model.cfg.block_size, 0, rank, world_size)
+    x, y = fixed_corpus().batch(2, model.cfg.block_size, 0, rank, world_size)
     train_step(engine, [(x, y)], lambda b: engine(*b)[1])
     if rank == 1:
         time.sleep(3 * STOP_TIMEOUT_S)  # alive, but issuing nothing: rank 0's gather times out, not "closed"

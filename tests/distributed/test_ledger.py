@@ -25,9 +25,10 @@ STAGES = (0, 1, 2, 3)
 
 def _ledger_cases(rank, world_size, stages):
     from zerokit.core.ledger import ledger
-    from zerokit.models import Block, CharCorpus, build_model
+    from zerokit.models import Block, build_model
+    from common import fixed_corpus
 
-    corpus = CharCorpus.load()
+    corpus = fixed_corpus()
     out = {}
     for stage in stages:
         # LoRA (frozen base weights in their own buffers) once per stage, at bf16: the frozen

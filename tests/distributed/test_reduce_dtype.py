@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 import zerokit as zk
-from common import OddBlock, odd_batch, odd_model
+from common import OddBlock, fixed_corpus, odd_batch, odd_model
 from zerokit.commands.step import train_step
 from zerokit.core.ledger import ledger
 from zerokit.launch import run_ranks
-from zerokit.models import Block, CharCorpus, build_model
+from zerokit.models import Block, build_model
 
 STAGES = (0, 1, 2, 3)
 STEPS, BATCH, SEQ = 8, 4, 32
@@ -147,7 +147,7 @@ def _reduced_gradient_is_exact(rank, world_size, stage, corpus):
 
 def _cases(rank, world_size):
     torch.manual_seed(0)
-    corpus = CharCorpus.load()
+    corpus = fixed_corpus()
     out = {}
     for reduce_name, reduce_dtype in REDUCE.items():
         for stage in STAGES:

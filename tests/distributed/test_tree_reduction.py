@@ -30,8 +30,9 @@ BATCH, SEQ = 2, 32  # a micro-batch: 2 sequences of 32 characters
 
 
 def _train(rank, world_size, model_name, M, stage, precision, reduction="tree", probe_memory=False):
-    from zerokit.models import Block, CharCorpus, build_model
-    corpus = CharCorpus.load()
+    from zerokit.models import Block, build_model
+    from common import fixed_corpus
+    corpus = fixed_corpus()
     k = M // world_size
     model = build_model(model_name, seed=0)
     engine = zk.shard(model, torch.optim.AdamW, stage=stage, precision=precision, lr=3e-3, weight_decay=0.1,
@@ -120,8 +121,8 @@ def _engine(stage=0, **kw):
 
 
 def _backward(engine, step=0):
-    from zerokit.models import CharCorpus
-    x, y = CharCorpus.load().batch(2, 32, step)
+    from common import fixed_corpus
+    x, y = fixed_corpus().batch(2, 32, step)
     engine.backward(engine(x, y)[1])
 
 
@@ -171,8 +172,9 @@ def test_accumulating_by_reduce_scatter_is_refused():
 def test_a_loop_clearing_with_model_zero_grad_trains_like_engine_zero_grad(stage):
     """The loop users write (model.zero_grad() before the forward, plain loss.backward()) starts a new tree each
     step and trains bitwise like engine.zero_grad() + engine.backward (one process, k = 2, 3 steps)."""
-    from zerokit.models import Block, CharCorpus, build_model
-    corpus = CharCorpus.load()
+    from zerokit.models import Block, build_model
+    from common import fixed_corpus
+    corpus = fixed_corpus()
     states = []
     for user_loop in (False, True):
         model = build_model("tiny", seed=0)

@@ -76,7 +76,8 @@ def test_a_bucket_spanning_the_model_does_not_hold_back_the_others():
     (it used to come first, and every collective waited for the end of backward)."""
     import torch
     import zerokit as zk
-    from zerokit.models import CharCorpus, build_model
+    from zerokit.models import build_model
+    from common import fixed_corpus
 
     def no_decay(name, p):
         return {"weight_decay": 0.0} if p.dim() < 2 else {}
@@ -91,7 +92,7 @@ def test_a_bucket_spanning_the_model_does_not_hold_back_the_others():
         p.register_post_accumulate_grad_hook(lambda p: events.append("blocks.0 grad"))
     release = engine.tracker.on_bucket_ready
     engine.tracker.on_bucket_ready = lambda fp: (events.append(f"release {fp.index}"), release(fp))
-    x, y = CharCorpus.load().batch(2, model.cfg.block_size, 0)
+    x, y = fixed_corpus().batch(2, model.cfg.block_size, 0)
     engine.backward(engine(x, y)[1])
     released_before_block0 = [e for e in events[:events.index("blocks.0 grad")] if e.startswith("release")]
     decay_buckets = [fp for fp in engine.flat_params if fp not in spans and fp.names[0][0].startswith("blocks.")
@@ -108,11 +109,12 @@ def test_freed_gradient_buffers_are_really_freed(stage):
 
     import torch
     import zerokit as zk
-    from zerokit.models import Block, CharCorpus, build_model
+    from zerokit.models import Block, build_model
+    from common import fixed_corpus
 
     model = build_model("tiny", seed=0)
     engine = zk.shard(model, torch.optim.AdamW, stage=stage, lr=1e-3, bucket_numel=4096, wrap=(Block,))
-    x, y = CharCorpus.load().batch(2, model.cfg.block_size, 0)
+    x, y = fixed_corpus().batch(2, model.cfg.block_size, 0)
     for _ in range(2):
         refs = []
         hooks = [p.register_post_accumulate_grad_hook(
