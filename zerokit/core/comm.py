@@ -67,6 +67,22 @@ buffer the step no longer uses (seen: stage 1's gather clones, 0.93 MB, at one b
 seven runs of benchmarks/speed_vs_torch.py). Once the collective has completed, zerokit frees the
 temporary's storage itself, on its own thread (`free_storage`), at the same point of every step.
 
+[Note: gloo's all-gather temporary]
+gloo's all-gather receives into a flat buffer of its own, the size of the output, allocated when
+the collective starts running on gloo's worker thread and freed when it ends, then copies the
+rows out (torch's wrapper also allocates and frees one of that size on the calling thread as the
+gather is issued). An asynchronous gather therefore costs a second copy of its output for as long
+as it is in flight. Stage 3's prefetch of the next unit in backward is in flight across the first
+ops of the current unit's backward, which is where a step peaks: benchmarks/where_peak.py found
+gloo's buffer there (`gloo:all_gather > aten::empty`, 0.44 MB of stage 3's 18.00 MB peak against
+FSDP2's 17.75). So on gloo an all-gather that is not coalesced is N broadcasts, rank r's from row r
+of the output, all issued at once: each in place, nothing allocated, the same rows moved to the
+same ranks, the same bits (copies, no arithmetic). benchmarks/gather_cost.py measures the two side
+by side (results/gather_cost.md): torch's allocates twice the output while the broadcasts allocate
+nothing, and they take 0.8-1.0x its time (1.1x, +0.1 ms, for a 16k-element output at 2 ranks). A coalesced
+gather (several outputs in one round of latency) stays one collective; on NCCL, which receives in
+place, every gather stays an all-gather.
+
 [Note: debug mode]
 A collective that one rank issues and another does not (a `no_sync()` on one rank only,
 an extra step, a unit run on one rank only) does not fail: it hangs until the process
@@ -187,6 +203,9 @@ class _Works:
     def wait(self) -> None:
         for work in self.works:
             work.wait()
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
 
 
 def _torch_checks_each_collective() -> bool:
@@ -360,8 +379,10 @@ class Comm:
             output.view(self.world_size, -1).copy_(input.view(1, -1).expand(self.world_size, -1))
             return _DONE
         with profiled("zerokit::all_gather"), self.report_failure():
-            work = dist.all_gather_single(output, input, group=self.group, async_op=async_op)
-            return Handle(work, comm=self) if async_op else _DONE
+            handle = Handle(self._gather_many([output], [input], coalesce=False), comm=self)
+            if not async_op:
+                handle.wait()
+            return handle
 
     def all_gather_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], phase: str | None = None,
                         labels: list[str] | None = None, coalesce: bool = True) -> Handle:
@@ -373,7 +394,8 @@ class Comm:
         10 buffers of 46k floats at 2 ranks: 9-11 ms separately, 4-7 ms coalesced). Its price on gloo:
         the coalesced gather concatenates the inputs and gathers into one temporary buffer of every
         output's size before copying out (Σ outputs + Σ inputs more bytes while it runs), so a caller
-        whose gathers come at its peak (stage 3's units in backward) passes False. Under
+        whose gathers come at its peak (stage 3's units in backward) passes False: then on gloo each
+        output is gathered by broadcasts, with no temporary ([Note: gloo's all-gather temporary]). Under
         TORCH_DISTRIBUTED_DEBUG=DETAIL they are never coalesced: torch's checks of every collective (a
         barrier and a comparison before each) skip coalesced ones, so a rank issuing something else
         beside a coalesced gather would hang there instead of being reported."""
@@ -391,6 +413,8 @@ class Comm:
 
     def _gather_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], coalesce: bool):
         """`all_gather_many`'s collectives, issued (see there for `coalesce`); a Work-like to wait on."""
+        if not coalesce and self.backend == "gloo":  # [Note: gloo's all-gather temporary]
+            return _Works([work for output, input in zip(outputs, inputs) for work in self._broadcast_rows(output, input)])
         if not coalesce or len(outputs) == 1 or _torch_checks_each_collective():
             return _Works([dist.all_gather_single(output, input, group=self.group, async_op=True)
                            for output, input in zip(outputs, inputs)])
@@ -398,6 +422,15 @@ class Comm:
             for output, input in zip(outputs, inputs):
                 dist.all_gather_single(output, input, group=self.group)
         return coalesced
+
+    def _broadcast_rows(self, output: torch.Tensor, input: torch.Tensor) -> list:
+        """An all-gather as N broadcasts in place, rank r's from row r of `output` (works, issued)."""
+        assert output.dtype == input.dtype, (output.dtype, input.dtype)
+        rows = output.view(self.world_size, -1)
+        if rows[self.rank].data_ptr() != input.data_ptr():  # not already in place
+            rows[self.rank].copy_(input.view(-1))
+        return [dist.broadcast(rows[r], src=self._global_rank(r), group=self.group, async_op=True)
+                for r in range(self.world_size)]
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, phase: str | None = None,
                   label: str | None = None) -> None:

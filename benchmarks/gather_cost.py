@@ -1,0 +1,160 @@
+"""What an all-gather costs on gloo: torch's all-gather beside zerokit's (N broadcasts into the output's rows).
+
+    python benchmarks/gather_cost.py                   # 2 and 4 gloo ranks, three sizes
+    python benchmarks/gather_cost.py --nproc 2 4 --numel 15744 111840 1048576 --calls 40 --rounds 3
+
+core/comm.py [Note: gloo's all-gather temporary]: gloo's all-gather receives into a buffer of its
+own, the output's size, for as long as the collective runs, and torch's wrapper allocates and frees
+another as the gather is issued. zerokit gathers on gloo (when it does not coalesce several outputs
+into one collective) by N broadcasts, rank r's from row r of the output, in place.
+
+For each world size, one spawn; for each output size (111,840 elements: one Block of the `small`
+model, a stage-3 unit), each way is timed as `--calls` asynchronous gathers, each waited for before
+the next, `--rounds` times, alternating which way goes first; a round counts at its slowest rank;
+medians. "bytes allocated in flight": every allocation torch.profiler sees during one gather and its
+wait, on the issuing thread and on gloo's worker threads (they run with the issuer's profiler state),
+summed: what the gather adds to the allocator while it is in flight, beside the output itself.
+
+Writes benchmarks/results/gather_cost.json and .md (command, date, commit, machine, versions).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from zerokit.core.comm import Comm  # noqa: E402
+from zerokit.launch import run_ranks  # noqa: E402
+from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
+
+WAYS = ("torch all_gather_into_tensor", "zerokit Comm.all_gather")
+
+
+def _gather(way: str, comm: Comm, output: torch.Tensor, shard: torch.Tensor) -> None:
+    if way == WAYS[0]:
+        dist.all_gather_into_tensor(output, shard, async_op=True).wait()
+    else:
+        comm.all_gather(output, shard, async_op=True).wait()
+
+
+def _allocated_in_flight(way: str, comm: Comm, output: torch.Tensor, shard: torch.Tensor) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _gather(way, comm, output, shard)
+    total = 0
+
+    def walk(node):
+        nonlocal total
+        if type(node.extra_fields).__name__ == "_ExtraFields_Allocation" and node.extra_fields.alloc_size > 0:
+            total += node.extra_fields.alloc_size
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    return total
+
+
+def cost_rank(rank: int, world_size: int, cfg: dict) -> dict:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor's rename, torch 2.13
+    comm = Comm()
+    out = {}
+    for numel in cfg["numel"]:
+        shard = torch.randn(numel // world_size, generator=torch.Generator().manual_seed(rank))
+        output = torch.empty(shard.numel() * world_size)
+        expected = None
+        times = {way: [] for way in WAYS}
+        for way in WAYS:  # right rows, and warm
+            output.fill_(float("nan"))
+            for _ in range(3):
+                _gather(way, comm, output, shard)
+            if expected is None:
+                expected = output.clone()
+            assert torch.equal(output, expected), way
+        for r in range(cfg["rounds"]):
+            for way in (WAYS if r % 2 == 0 else WAYS[::-1]):
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(cfg["calls"]):
+                    _gather(way, comm, output, shard)
+                times[way].append(1e3 * (time.perf_counter() - start) / cfg["calls"])
+        dist.barrier()
+        out[numel] = {"ms": times, "allocated": {way: _allocated_in_flight(way, comm, output, shard) for way in WAYS},
+                      "output_bytes": output.numel() * output.element_size()}
+    return out
+
+
+def summarize(per_rank: list[dict], world_size: int) -> list[dict]:
+    rows = []
+    for numel in per_rank[0]:
+        ms = {way: statistics.median(max(rank[numel]["ms"][way][k] for rank in per_rank)
+                                     for k in range(len(per_rank[0][numel]["ms"][way]))) for way in WAYS}
+        rows.append({"world_size": world_size, "numel": numel, "output_bytes": per_rank[0][numel]["output_bytes"],
+                     "ms": ms, "ratio": ms[WAYS[1]] / ms[WAYS[0]],
+                     "allocated": {way: max(rank[numel]["allocated"][way] for rank in per_rank) for way in WAYS}})
+    return rows
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| ranks | output (fp32 elements) | torch all-gather ms | zerokit broadcasts ms | ratio (zk / torch) "
+             "| bytes allocated in flight, torch | zerokit |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['world_size']} | {r['numel']:,} | {r['ms'][WAYS[0]]:.3f} | {r['ms'][WAYS[1]]:.3f} | "
+                     f"{r['ratio']:.2f} | {r['allocated'][WAYS[0]]:,} | {r['allocated'][WAYS[1]]:,} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nproc", type=int, nargs="+", default=[2, 4], help="gloo world sizes, one spawn each")
+    p.add_argument("--numel", type=int, nargs="+", default=[15744, 111840, 1048576],
+                   help="output sizes in fp32 elements (rounded down to a multiple of the world size)")
+    p.add_argument("--calls", type=int, default=40, help="gathers per timed round")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds of each way, alternating which goes first")
+    p.add_argument("--timeout", type=float, default=600, help="deadline for each spawn (s)")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gather_cost",
+                   help="results path without extension (.json and .md are written)")
+    args = p.parse_args(argv)
+    record = provenance(command_line(__file__, argv))
+    start = time.perf_counter()
+    rows = []
+    for n in args.nproc:
+        cfg = {"numel": [k - k % n for k in args.numel], "calls": args.calls, "rounds": args.rounds}
+        rows += summarize(run_ranks(cost_rank, n, cfg, timeout_s=args.timeout), n)
+    result = {**record, "config": {"calls": args.calls, "rounds": args.rounds},
+              "seconds": round(time.perf_counter() - start, 1), "rows": rows}
+    print("\n".join(table(rows)))
+    write_pair(args.out, result, _markdown(result))
+    return 0
+
+
+def _markdown(r: dict) -> str:
+    c = r["config"]
+    return "\n".join([
+        "# What an all-gather costs on gloo", "", *provenance_lines(r),
+        f"- each way: {c['rounds']} rounds of {c['calls']} asynchronous gathers (each waited for before the next), "
+        "rounds alternating which way goes first; a round counts at its slowest rank; medians of the rounds",
+        "", *table(r["rows"]), "",
+        "\"torch all-gather\": `dist.all_gather_into_tensor(output, shard, async_op=True).wait()`. \"zerokit "
+        "broadcasts\": `Comm.all_gather(output, shard, async_op=True).wait()`, which on gloo issues N broadcasts "
+        "into the output's rows (core/comm.py [Note: gloo's all-gather temporary]); both give the same bits. "
+        "\"Bytes allocated in flight\": every allocation torch.profiler records during one gather and its wait "
+        "(issuing thread and gloo's workers), summed: torch's is two buffers of the output's size (the wrapper's, "
+        "freed at once, and gloo's receive buffer, live while the gather runs); the broadcasts write in place."]) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
