@@ -1,0 +1,163 @@
+"""Where stage 0's step time goes beside torch DDP's: forward, backward, step and zero_grad, and how many all-reduces.
+
+    python benchmarks/stage0_phases.py                 # 2 gloo ranks, model small, bucket 65536, 4 rounds
+    python benchmarks/stage0_phases.py --nproc 2 --model small --steps 30 --warmup 5 --rounds 4 --bucket-numel 65536
+
+The same runs as benchmarks/speed_vs_torch.py's stage 0 pair (same weights, batches, AdamW with
+the decay / no-decay split, bucket size, DDP with `gradient_as_bucket_view=True`), plus zerokit
+stage 0 with larger buckets (`--also-bucket-numel`, default 2x), which shows what fewer all-reduces
+save. Each run is built afresh per round, rounds
+alternate the order; each phase is timed on its own (`time.perf_counter` around zero_grad, the
+forward, the backward including the wait for its all-reduces, and the optimizer step); a phase's
+figure is the median over the steps after `--warmup`, then the median over rounds, on the slowest
+rank. "all-reduces per step": zerokit's trainable buckets (one all-reduce each); DDP's from
+`DistributedDataParallel._get_ddp_logging_data()` (`rebuilt_bucket_sizes`, after its first
+iterations: DDP closes a bucket once it reaches the cap, zerokit's never exceed it).
+
+Writes benchmarks/results/stage0_phases.json and .md (command, date, commit, machine, versions).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import speed_vs_torch as S  # noqa: E402  (the peers' construction, the data, the no-decay split)
+from zerokit.launch import run_ranks  # noqa: E402
+from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
+
+PHASES = ("zero_grad", "forward", "backward", "step")
+RUNS = ("zerokit stage 0", "torch DDP", "zerokit stage 0, larger buckets")
+
+
+def _build(name: str, cfg: dict):
+    """(zero_grad, forward -> loss, backward(loss), step, all-reduces per step or a function giving it)."""
+    import zerokit as zk
+    from torch.nn.parallel import DistributedDataParallel
+    from zerokit.models import Block
+
+    model = S._initial_model(cfg)
+    if name.startswith("zerokit"):
+        bucket_numel = cfg["also_bucket_numel"] if name.endswith("larger buckets") else cfg["bucket_numel"]
+        engine = zk.shard(model, torch.optim.AdamW, stage=0, lr=cfg["lr"], weight_decay=0.1,
+                          bucket_numel=bucket_numel, wrap=(Block,), param_groups=S._no_decay)
+        return (engine.zero_grad, lambda x, y: engine(x, y)[1], engine.backward, engine.step,
+                lambda: len(engine.trainable))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_numel"] * 4 / 2**20, gradient_as_bucket_view=True)
+    opt = torch.optim.AdamW(S._param_groups(model), lr=cfg["lr"], weight_decay=0.1, foreach=True)
+
+    def buckets() -> int:
+        sizes = ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes", "")
+        return len(sizes.split(",")) if sizes else -1
+
+    return (lambda: opt.zero_grad(set_to_none=False), lambda x, y: ddp(x, y)[1], lambda loss: loss.backward(),
+            opt.step, buckets)
+
+
+def phases_rank(rank: int, world_size: int, cfg: dict) -> dict:
+    batches = S._batches(cfg, rank, world_size, torch.device("cpu"), cfg["steps"])
+    out = {name: {"ms": {p: [] for p in PHASES}} for name in RUNS}
+    for r in range(cfg["rounds"]):
+        for name in (RUNS if r % 2 == 0 else RUNS[::-1]):
+            zero_grad, forward, backward, step, buckets = _build(name, cfg)
+            times = {p: [] for p in PHASES}
+            for i, (x, y) in enumerate(batches):
+                t0 = time.perf_counter()
+                zero_grad()
+                t1 = time.perf_counter()
+                loss = forward(x, y)
+                t2 = time.perf_counter()
+                backward(loss)
+                t3 = time.perf_counter()
+                step()
+                t4 = time.perf_counter()
+                loss.item()
+                if i >= cfg["warmup"]:
+                    for p, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                        times[p].append(1e3 * dt)
+            for p in PHASES:
+                out[name]["ms"][p].append(statistics.median(times[p]))
+            out[name]["all_reduces"] = buckets()
+    return out
+
+
+def summarize(per_rank: list[dict]) -> list[dict]:
+    rows = []
+    for name in RUNS:
+        rounds = len(per_rank[0][name]["ms"]["forward"])
+        ms = {p: statistics.median(max(rank[name]["ms"][p][k] for rank in per_rank) for k in range(rounds))
+              for p in PHASES}
+        rows.append({"run": name, "ms": ms, "total_ms": sum(ms.values()), "all_reduces": per_rank[0][name]["all_reduces"]})
+    return rows
+
+
+def table(rows: list[dict]) -> list[str]:
+    ddp = next(r for r in rows if r["run"] == "torch DDP")
+    lines = ["| run | all-reduces per step | zero_grad ms | forward ms | backward ms (incl. wait) | step ms | sum ms "
+             "| sum / DDP's |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ms = r["ms"]
+        lines.append(f"| {r['run']} | {r['all_reduces']} | {ms['zero_grad']:.2f} | {ms['forward']:.2f} | "
+                     f"{ms['backward']:.2f} | {ms['step']:.2f} | {r['total_ms']:.2f} | {r['total_ms'] / ddp['total_ms']:.2f} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nproc", type=int, default=2, help="gloo ranks")
+    p.add_argument("--model", default="small", help="model preset (zerokit.models)")
+    p.add_argument("--steps", type=int, default=30, help="steps per run, warm-up included")
+    p.add_argument("--warmup", type=int, default=5, help="steps of each run left out of the medians")
+    p.add_argument("--rounds", type=int, default=4, help="runs of each, alternating the order")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--bucket-numel", type=int, default=65536, help="zerokit's bucket_numel and DDP's cap (x 4 bytes)")
+    p.add_argument("--also-bucket-numel", type=int, default=None,
+                   help="zerokit's bucket_numel in the third run (default: twice --bucket-numel)")
+    p.add_argument("--timeout", type=float, default=900, help="deadline for the spawn (s)")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "stage0_phases",
+                   help="results path without extension (.json and .md are written)")
+    args = p.parse_args(argv)
+    record = provenance(command_line(__file__, argv))
+    from zerokit.models import preset
+
+    cfg = {"model": args.model, "seed": 0, "peers": "default", "batch_size": args.batch_size,
+           "block_size": preset(args.model).block_size, "steps": args.steps, "warmup": args.warmup,
+           "rounds": args.rounds, "lr": 3e-3, "bucket_numel": args.bucket_numel,
+           "also_bucket_numel": args.also_bucket_numel or 2 * args.bucket_numel}
+    start = time.perf_counter()
+    rows = summarize(run_ranks(phases_rank, args.nproc, cfg, timeout_s=args.timeout))
+    result = {**record, "nproc": args.nproc, "config": cfg, "seconds": round(time.perf_counter() - start, 1),
+              "rows": rows}
+    print("\n".join(table(rows)))
+    write_pair(args.out, result, _markdown(result))
+    return 0
+
+
+def _markdown(r: dict) -> str:
+    c = r["config"]
+    return "\n".join([
+        "# Stage 0 beside torch DDP, phase by phase", "", *provenance_lines(r),
+        f"- {r['nproc']} gloo ranks, model {c['model']}, {c['batch_size']} x {c['block_size']} tokens per rank per "
+        f"step, fp32 AdamW (lr {c['lr']}, weight decay 0.1, none on biases/LayerNorms), bucket {c['bucket_numel']} "
+        f"elements (DDP: bucket_cap_mb = that x 4 bytes, gradient_as_bucket_view; the last run "
+        f"{c['also_bucket_numel']}); "
+        f"{c['rounds']} rounds of {c['steps']} steps, the first {c['warmup']} of each left out; medians, slowest rank",
+        "", *table(r["rows"]), "",
+        "Each phase is timed on its own; the sum is a step (speed_vs_torch.py times the step whole). "
+        "\"backward\" includes waiting for the step's all-reduces. DDP's buckets close once they reach the cap, so "
+        "they hold a little more than it; zerokit's never exceed it, and the decay / no-decay split puts every "
+        "bias and LayerNorm in a bucket of its own, ready only at the end of backward. zerokit's hooks are "
+        "Python (two per parameter and backward: core/hooks.py), DDP's reducer is C++; zerokit's step is one "
+        "foreach AdamW over its flat buffers, DDP's over every parameter."]) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
