@@ -708,7 +708,25 @@ def summarize(per_rank: list[dict[str, list[dict]]], cfg: dict) -> dict:
                             peer_memory=peer_run["memory"][0], max_abs_loss_diff=diff, loss_tolerance=tolerance,
                             loss_within_tolerance=None if tolerance is None else bool(diff <= tolerance))
             pairs.append(pair)
-    return {"runs": runs, "pairs": pairs, "stages": stage_lines(pairs)}
+    return {"runs": runs, "pairs": pairs, "stages": stage_lines(pairs), "loss_spread": loss_spread(runs)}
+
+
+def loss_spread(runs: dict) -> dict:
+    """How far apart the losses of zerokit's runs are among themselves, and the torch peers' among themselves
+    (the largest |Δloss| over every step, round and rank, and which two runs): the scale of a zerokit vs peer
+    difference that only the order of additions explains."""
+    out = {}
+    for side in ("zerokit", "torch"):
+        names = [n for n, r in runs.items() if n.startswith(side) and "error" not in r]
+        best = None
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                diff = max(abs(x - y) for ra, rb in zip(runs[a]["losses"], runs[b]["losses"])
+                           for sa, sb in zip(ra, rb) for x, y in zip(sa, sb))
+                if best is None or diff > best["max_abs_loss_diff"]:
+                    best = {"max_abs_loss_diff": diff, "between": [a, b]}
+        out[side] = best
+    return out
 
 
 def stage_lines(pairs: list[dict]) -> list[dict]:
@@ -928,6 +946,10 @@ def markdown(record: dict) -> list[str]:
           "the storages of its local params, grads and optimizer states.", ""]
     if allocator:
         md.insert(len(md) - 1, allocator_note(record))
+    spread = record.get("loss_spread") or {}
+    md += [f"- losses among themselves: {side}'s runs differ by at most {s['max_abs_loss_diff']:.1e} "
+           f"({s['between'][0]} vs {s['between'][1]}){' (bit for bit)' if s['max_abs_loss_diff'] == 0 else ''}"
+           for side, s in spread.items() if s is not None]
     md += [f"- {p['zerokit']} vs {p['peer']}: {p['note']}"
            + ("" if p["loss_within_tolerance"] in (None, True) else " — LOSS OUTSIDE TOLERANCE")
            + (f". Did not run: `{p['peer_error']}`" if p["peer_error"] else "") for p in record["pairs"]]

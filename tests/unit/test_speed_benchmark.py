@@ -52,6 +52,11 @@ def test_two_step_run_writes_every_pair_with_times_losses_and_bytes(tmp_path):
         states = pair["peer_memory"]["optimizer_states"]
         assert states == ddp_states if pair["peer"] == DDP else 0.4 * ddp_states < states < 0.6 * ddp_states
 
+    # zerokit's four stages share every bit with each other at any world size; the spread is reported with the pair
+    spread = record["loss_spread"]
+    assert spread["zerokit"]["max_abs_loss_diff"] == 0 and len(set(spread["zerokit"]["between"])) == 2
+    assert "- losses among themselves: zerokit's runs differ by at most 0.0e+00" in md
+
     for line in record["stages"]:  # each stage against its fastest peer; the DDP reference never chosen
         pairs = [p for p in record["pairs"] if p["stage"] == line["stage"]]
         ran = [p for p in pairs if p["role"] == "peer" and p["peer_ms"] is not None]
