@@ -96,7 +96,8 @@ class Unit:
         for flat in self.flat_data:
             _alloc_storage(flat)  # on the compute stream; see below
         if self.gather_stream is None:  # a unit's flat params (trainable, frozen, per group), issued together
-            # Not coalesced: on gloo that costs a temporary of the whole unit at backward's peak (Comm.all_gather_many).
+            # Not coalesced: a coalesced gather costs a temporary of the whole unit at backward's peak; on gloo each
+            # gather is broadcasts into the flat buffer, with no temporary at all (Comm.all_gather_many).
             self._handles = [self.comm.all_gather_many(self.flat_data, self.param_shards, phase=phase,
                                                        labels=self.gather_labels, coalesce=False)]
         else:
