@@ -1,7 +1,7 @@
 """What an all-gather costs on gloo: torch's all-gather beside zerokit's (N broadcasts into the output's rows).
 
-    python benchmarks/gather_cost.py                   # 2 and 4 gloo ranks, three sizes
-    python benchmarks/gather_cost.py --nproc 2 4 --numel 15744 111840 1048576 --calls 40 --rounds 3
+    python benchmarks/gather_cost.py                   # 2, 4 and 8 gloo ranks, three sizes
+    python benchmarks/gather_cost.py --nproc 2 4 8 --numel 15744 111840 1048576 --calls 40 --rounds 3
 
 core/comm.py [Note: gloo's all-gather temporary]: gloo's all-gather receives into a buffer of its
 own, the output's size, for as long as the collective runs, and torch's wrapper allocates and frees
@@ -119,7 +119,7 @@ def table(rows: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nproc", type=int, nargs="+", default=[2, 4], help="gloo world sizes, one spawn each")
+    p.add_argument("--nproc", type=int, nargs="+", default=[2, 4, 8], help="gloo world sizes, one spawn each")
     p.add_argument("--numel", type=int, nargs="+", default=[15744, 111840, 1048576],
                    help="output sizes in fp32 elements (rounded down to a multiple of the world size)")
     p.add_argument("--calls", type=int, default=40, help="gathers per timed round")
