@@ -1,7 +1,7 @@
 """What an all-gather costs on gloo: torch's all-gather beside zerokit's (N broadcasts into the output's rows).
 
     python benchmarks/gather_cost.py                   # 2, 4 and 8 gloo ranks, three sizes
-    python benchmarks/gather_cost.py --nproc 2 4 8 --numel 15744 111840 1048576 --calls 40 --rounds 3
+    python benchmarks/gather_cost.py --nproc 2 4 8 --numel 15744 111840 1048576 --calls 200 --rounds 5
 
 core/comm.py [Note: gloo's all-gather temporary]: gloo's all-gather receives into a buffer of its
 own, the output's size, for as long as the collective runs, and torch's wrapper allocates and frees
@@ -122,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 4, 8], help="gloo world sizes, one spawn each")
     p.add_argument("--numel", type=int, nargs="+", default=[15744, 111840, 1048576],
                    help="output sizes in fp32 elements (rounded down to a multiple of the world size)")
-    p.add_argument("--calls", type=int, default=40, help="gathers per timed round")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds of each way, alternating which goes first")
+    p.add_argument("--calls", type=int, default=200, help="gathers per timed round")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds of each way, alternating which goes first")
     p.add_argument("--timeout", type=float, default=600, help="deadline for each spawn (s)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gather_cost",
                    help="results path without extension (.json and .md are written)")
