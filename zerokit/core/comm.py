@@ -79,7 +79,7 @@ FSDP2's 17.75). So on gloo an all-gather that is not coalesced is N broadcasts, 
 of the output, all issued at once: each in place, nothing allocated, the same rows moved to the
 same ranks, the same bits (copies, no arithmetic). benchmarks/gather_cost.py measures the two side
 by side (results/gather_cost.md): torch's allocates twice the output while the broadcasts allocate
-nothing, and take 0.6-1.0x its time (1.4x, +0.24 ms, for a 16k-element output at 2 ranks). A coalesced
+nothing, and take 0.73-1.01x its time at 2, 4 and 8 ranks. A coalesced
 gather (several outputs in one round of latency) stays one collective; on NCCL, which receives in
 place, every gather stays an all-gather.
 
