@@ -204,9 +204,6 @@ class _Works:
         for work in self.works:
             work.wait()
 
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
 
 def _torch_checks_each_collective() -> bool:
     """TORCH_DISTRIBUTED_DEBUG=DETAIL: torch wraps the group to check every collective before it runs."""
