@@ -920,8 +920,9 @@ def markdown(record: dict) -> list[str]:
                 "- zerokit's gradient reduction: " + (
                     "ordered (zerokit's gloo default, so that every stage is bitwise equal at any world size: each "
                     "reduce-scatter is an all-to-all plus a sum in rank order, and stage 0's all-reduce is that plus "
-                    "an all-gather (each bucket's all-to-all as it fills, the all-gathers of every bucket together "
-                    "at the end of backward, where DDP launches one all-reduce per bucket), except at 2 ranks, where "
+                    "an all-gather (each all-reduce group's all-to-all as it fills, the all-gathers of every group "
+                    "together at the end of backward, where DDP launches one all-reduce per bucket), except at 2 "
+                    "ranks, where "
                     "it is the native all-reduce (one addition per element: the same bits in any order); `--reduction "
                     "native` times the plain collectives instead)"
                     if cfg["reduction_used"] == "ordered" else

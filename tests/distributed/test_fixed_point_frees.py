@@ -166,7 +166,7 @@ def _all_reduce_sequences(rank, world_size):
     """Where the all-gather halves of ordered all-reduces are issued, and what they give."""
     out = {}
     n, total = world_size, float(sum(range(1, world_size + 1)))
-    # stage 0's backward: a bucket's all-to-all as it is ready, every all-gather after the last one
+    # stage 0's backward: an all-reduce group's all-to-all as it is ready, every all-gather after the last one
     engine = zk.shard(odd_model(), torch.optim.AdamW, stage=0, bucket_numel=40, lr=1e-2)
     x, y = odd_batch(0, 3, rank, world_size)
     calls = []
@@ -177,7 +177,7 @@ def _all_reduce_sequences(rank, world_size):
         engine.step()
     finally:
         restore()
-    buckets = len(engine.trainable)
+    buckets = len(engine.groups)  # one all-reduce per group of buckets (stages/ddp.py [Note: all-reduce groups])
     out["stage0"] = dict(buckets=buckets, tags=[tag for tag, _ in calls], in_backward=in_backward,
                          received=[_nbytes(t) for tag, t in calls if tag == "a2a"])
     # another kind of collective issues the waiting halves first; waits in any order; debug mode checks them
@@ -214,12 +214,12 @@ def test_temporaries_are_freed_when_their_collective_completes(results):
 
 
 def test_the_all_gather_halves_of_stage0_go_out_together_after_the_last_all_to_all(results):
-    """Stage 0 at 3 ranks: each bucket's all-to-all in backward as the bucket fills, then the buckets'
-    all-gathers, one per bucket (coalesced), still in backward; every receive buffer freed by then."""
+    """Stage 0 at 3 ranks: each all-reduce group's all-to-all in backward as the group fills, then the groups'
+    all-gathers, one per group (coalesced), still in backward; every receive buffer freed by then."""
     for rank, out in enumerate(results):
         seq = out["sequences"]["stage0"]
         buckets = seq["buckets"]
-        assert buckets > 3, "the case must exercise several buckets"
+        assert buckets > 3, "the case must exercise several all-reduce groups"
         # the first all-gather after the all-to-alls; torch's coalescing may add its own calls, never an all-to-all
         assert seq["tags"][:buckets] == ["a2a"] * buckets, (rank, seq["tags"])
         assert set(seq["tags"][buckets:seq["in_backward"]]) == {"ag"}, (rank, seq["tags"])

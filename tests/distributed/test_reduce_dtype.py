@@ -136,8 +136,10 @@ def _reduced_gradient_is_exact(rank, world_size, stage, corpus):
             expected.add_(g.float().mul_(1.0 / world_size))
         assert got.dtype == torch.float32, got.dtype
         exact = torch.equal(got, fp.shard_of(expected))
-        if stage == 0:  # the whole averaged gradient lives in the reduce-dtype buffer until step
-            exact = exact and torch.equal(engine.comm_buffer_tensors()[len(out)], expected)
+        if stage == 0:  # the whole averaged gradient lives in its all-reduce group's reduce-dtype buffer until step
+            averaged = engine.averaged_grad(fp)
+            buffers = {t.untyped_storage().data_ptr() for t in engine.comm_buffer_tensors()}
+            exact = exact and torch.equal(averaged, expected) and averaged.untyped_storage().data_ptr() in buffers
         # The check can tell fp32 from bf16: some averages are not representable in bf16.
         rounding_visible = not torch.equal(expected, expected.bfloat16().float())
         assert exact and rounding_visible, (stage, fp.index, exact, rounding_visible)

@@ -47,7 +47,10 @@ def _stage0_cases(rank, world_size):
     engine.backward(engine(x, y))
     before = engine.comm_stats()
     engine.zero_grad()
+    seq = engine.comm.recorder.seq
     engine.backward(engine(x, y))
+    out["backward_collectives"] = [(r.op, r.label, r.numel) for r in engine.comm.recorder.records if r.seq >= seq]
+    out["groups"] = [(g.label, sum(fp.padded_numel for fp in g.members), len(g.members)) for g in engine.groups]
     engine.step()
     after = engine.comm_stats()
     out["comm_per_step"] = {k: after[k] - before[k] for k in after}
@@ -111,6 +114,19 @@ def test_stage0_comm_is_one_all_reduce_of_the_gradients(stage0_results):
         grad_bytes = 4 * (res["psi_trainable"] + res["padding_trainable"])
         expected = 2 * grad_bytes if world_size > 1 else 0
         assert res["comm_per_step"] == {"all_reduce": expected, "reduce_scatter": 0, "all_gather": 0, "broadcast": 0}
+
+
+def test_stage0_all_reduces_each_group_of_buckets_once(stage0_results):
+    """Backward issues one all-reduce per group of consecutive buckets (stages/ddp.py [Note: all-reduce groups]),
+    in order, labelled by the group and as large as its buckets together; fewer than the buckets (the case has
+    buckets below the cap of 40 elements), every group but the last holding at least the cap."""
+    _, results = stage0_results
+    for res in results:
+        groups = res["groups"]
+        assert 3 < len(groups) < sum(n for _, _, n in groups), groups
+        assert all(numel >= 40 for _, numel, _ in groups[:-1]), groups
+        expected = [("all_reduce", label, numel) for label, numel, _ in groups]  # recorded at world size 1 too
+        assert res["backward_collectives"] == expected, (res["backward_collectives"], groups)
 
 
 def test_stage0_memory_is_16_bytes_per_param_in_fp32_adamw(stage0_results):

@@ -1,12 +1,13 @@
 """Pure index math: flatten -> pad -> shard -> gather -> unflatten, and bucket plans."""
-import pytest
 import math
+
+import pytest
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerokit.core.bucketing import plan_buckets
+from zerokit.core.bucketing import plan_all_reduce_groups, plan_buckets
 from zerokit.core.partition import FlatLayout, padded_numel, shard_range
 
 shapes = st.lists(st.lists(st.integers(0, 12), min_size=0, max_size=3).map(tuple), min_size=1, max_size=8)
@@ -60,6 +61,42 @@ def test_bucket_plan_covers_every_parameter_once_in_reverse_order(numels, cap):
         assert b == list(range(b[0], b[-1] + 1)), "a bucket is a contiguous run"
         assert len(b) == 1 or sum(numels[i] for i in b) <= cap
     assert [b[-1] for b in buckets] == sorted((b[-1] for b in buckets), reverse=True), "last params first"
+
+
+@given(numels=st.lists(st.integers(0, 500), min_size=0, max_size=40), cap=st.integers(1, 800),
+       keys=st.lists(st.sampled_from("ab"), min_size=40, max_size=40))
+def test_all_reduce_groups_close_once_they_reach_the_cap(numels, cap, keys):
+    """Stage 0's all-reduce groups: contiguous runs in order covering every bucket once, one key each; a group
+    closes once it holds `cap` elements (DDP's rule), so only the last of a key run is below it, and no group
+    is larger than it needs to be (without its last bucket it would be below the cap)."""
+    keys = keys[:len(numels)]
+    groups = plan_all_reduce_groups(numels, keys, cap)
+    assert [i for g in groups for i in g] == list(range(len(numels))), "contiguous runs, in order, each once"
+    for k, g in enumerate(groups):
+        total = sum(numels[i] for i in g)
+        assert len({keys[i] for i in g}) == 1, "dtypes never mix"
+        assert sum(numels[i] for i in g[:-1]) < cap, "no bucket is added after the group reached the cap"
+        last_of_run = k == len(groups) - 1 or keys[groups[k + 1][0]] != keys[g[-1]]
+        assert total >= cap or last_of_run, (groups, numels, cap)
+
+
+def test_stage0_all_reduces_the_small_gpts_buckets_in_groups():
+    """The case that motivated the groups (stages/ddp.py [Note: all-reduce groups]): the small GPT at 65,536 elements
+    with the no-decay split has 10 buckets, which stage 0 all-reduces as 5 groups; each bucket's gradient is a view
+    into its group's buffer, back to back in bucket order (tests/distributed/test_stage0.py counts the collectives)."""
+    import torch
+    import zerokit as zk
+    from zerokit.commands.compare import _no_decay
+    from zerokit.models import build_model
+
+    model = build_model("small", seed=0)
+    engine = zk.shard(model, torch.optim.AdamW, stage=0, lr=1e-3, bucket_numel=65536, param_groups=_no_decay)
+    assert len(engine.trainable) == 10 and [len(g.members) for g in engine.groups] == [2, 2, 2, 2, 2]
+    assert all(sum(fp.padded_numel for fp in g.members) >= 65536 for g in engine.groups[:-1])
+    for g in engine.groups:
+        ptr, size = g.grad.untyped_storage().data_ptr(), g.grad.element_size()
+        assert [engine.flat_grads[fp.index].data_ptr() for fp in g.members] == [ptr + o * size for o in g.offsets]
+    assert engine.groups[-1].label.startswith("buckets 8, 9 (")
 
 
 def test_zero_size_and_one_element_parameters_get_a_place():

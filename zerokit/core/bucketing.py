@@ -5,7 +5,8 @@ stage hands to one collective. Small buckets start communicating early in backwa
 (more overlap) but pay a per-collective latency; large ones amortise latency but start
 late. `bucket_numel` caps a bucket's elements (DDP's `bucket_cap_mb`, in elements).
 
-`plan_buckets` is pure index math (tested with hypothesis); `InFlight` keeps launched
+`plan_buckets` and `plan_all_reduce_groups` are pure index math (tested with hypothesis);
+`InFlight` keeps launched
 collectives in launch order so that a stage can bound how many full-size buffers are
 alive (stage 2 frees a bucket's gradient as soon as its reduce-scatter completes).
 """
@@ -39,6 +40,37 @@ def plan_buckets(numels: list[int] | tuple[int, ...], bucket_numel: int) -> list
     if current:
         buckets.append(sorted(current))
     return buckets
+
+
+def plan_all_reduce_groups(numels: list[int] | tuple[int, ...], keys: list | tuple, threshold: int) -> list[list[int]]:
+    """Group consecutive buckets into collectives: a group closes once it holds `threshold` elements.
+
+    That is torch DDP's rule for closing a bucket (`bucket_cap_mb`), applied to whole zerokit
+    buckets rather than to parameters: stage 0 all-reduces each group in one call (ddp.py
+    [Note: all-reduce groups]). Buckets with different `keys` (their dtype) never share a group.
+    Groups are contiguous runs of indices in order; every one but the last of its key run holds
+    at least `threshold` elements, and dropping its last bucket would leave it below that (so no
+    group is larger than `threshold` plus one bucket). Every index appears in exactly one group.
+    """
+    if threshold < 1:
+        raise ValueError(f"threshold must be >= 1, got {threshold}")
+    if len(keys) != len(numels):
+        raise ValueError(f"{len(numels)} numels but {len(keys)} keys")
+    groups: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for i, n in enumerate(numels):
+        if current and keys[i] != keys[current[-1]]:
+            groups.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += n
+        if filled >= threshold:
+            groups.append(current)
+            current, filled = [], 0
+    if current:
+        groups.append(current)
+    return groups
 
 
 class InFlight:

@@ -7,14 +7,33 @@ with an all-reduce, so every rank applies the same update and the replicas stay 
 What happens, per step:
   * construction: rank 0's parameters (frozen ones too) and buffers are broadcast; the
     parameters become views into flat buckets, their `.grad`s views into flat gradient
-    buckets (so gradients land in communication-ready storage);
-  * backward: as soon as every gradient of a bucket has been accumulated, that bucket is
-    scaled by 1/N and all-reduced asynchronously, overlapping the rest of backward;
-  * end of backward: wait for every bucket;
+    buckets (so gradients land in communication-ready storage), and consecutive gradient
+    buckets lie back to back in one buffer per all-reduce group ([Note: all-reduce groups]);
+  * backward: as soon as every gradient of a group's buckets has been accumulated, the group
+    is scaled by 1/N and all-reduced asynchronously, overlapping the rest of backward;
+  * end of backward: wait for every group;
   * step: every rank runs the optimizer over the whole flat buffers.
 
-Collectives per step: one all-reduce of the gradients. Logical bytes per rank:
-2 * Ψ * g (g = gradient bytes per element; ZeRO accounting, see core/comm.py).
+Collectives per step: one all-reduce of the gradients, one call per group. Logical bytes per
+rank: 2 * Ψ * g (g = gradient bytes per element; ZeRO accounting, see core/comm.py).
+
+[Note: all-reduce groups]
+zerokit's buckets are cut to hold at most `bucket_numel` elements, and separately per
+optimizer option set (the decay / no-decay split of `param_groups` gives the biases and
+LayerNorms of every block a bucket of their own), because a bucket is also what the
+optimizer steps and, at stages 1-2, what bounds the gradient memory in flight. Torch DDP's
+buckets know nothing of the optimizer and close once they *reach* the cap. Issued one
+all-reduce per bucket, stage 0 made more, smaller collectives than DDP with the same cap
+(10 against 7 for the small GPT at 65,536 elements, 2 ranks), each paying a collective's
+latency. So stage 0 applies DDP's rule one level up: walking the trainable buckets in
+release order, it closes a group once the group holds `bucket_numel` elements
+(core/bucketing.py `plan_all_reduce_groups`; dtypes never mix), allocates the group's
+gradients as one buffer, and all-reduces it in one call when the group's last bucket is
+released (buckets are released strictly in order, so its others already are). The plan is
+static, the same on every rank. The buckets, and so the optimizer's flat buffers and the
+norm's summation order, are unchanged; an all-reduce is elementwise (the ordered one too,
+core/comm.py [Note: ordered reduction]), so grouping changes no bit of any result.
+benchmarks/stage0_phases.py counts the collectives and times each phase beside DDP.
 
 Reduce dtype (core/grad_reduce.py [Note: reduce dtype]): with bf16 params and fp32
 reductions, a bucket's all-reduce runs on an fp32 copy, and the average lives in that copy
@@ -35,13 +54,41 @@ import torch
 from torch import nn
 
 from zerokit.checkpoint import Checkpointing
-from zerokit.core.bucketing import InFlight
+from zerokit.core.bucketing import InFlight, plan_all_reduce_groups
 from zerokit.core.config import ShardConfig
 from zerokit.core.engine import Engine
-from zerokit.core.flat_param import FlatParamLayout, broadcast_module_state, build_flat_params, check_module
+from zerokit.core.flat_param import (FlatParamLayout, broadcast_module_state, build_flat_params, check_module,
+                                     summarize_names)
 from zerokit.core.grad_reduce import GradReduction
 from zerokit.core.hooks import GradReadyTracker
 from zerokit.optim.sharded import ShardedOptimizer
+
+
+class AllReduceGroup:
+    """Consecutive trainable buckets whose gradients live back to back in one buffer, all-reduced in one call.
+
+    `grad` (sum of the members' padded_numel,) is the storage; each member's flat gradient is a
+    view into it (`grad_of`). `index` and `label` are what `Engine.grad_reduction` and the
+    collective recorder need of a bucket ("buckets 2, 3 (blocks.1.*)"; frozen buckets, which
+    have no gradient, may sit between two members' indices).
+    """
+
+    def __init__(self, index: int, members: list[FlatParamLayout]):
+        self.index, self.members = index, members
+        self.offsets, total = [], 0
+        for fp in members:
+            self.offsets.append(total)
+            total += fp.padded_numel
+        self.grad = members[0].new_flat(numel=total)  # zeros, the param dtype
+        self.label = members[0].label if len(members) == 1 else (  # "buckets 4, 5 (blocks.1.*)"
+            f"buckets {', '.join(str(fp.index) for fp in members)} "
+            f"({summarize_names([n[0] for fp in members for n in fp.names])})")
+        self._where = {fp.index: (o, fp.padded_numel) for fp, o in zip(members, self.offsets)}
+
+    def grad_of(self, fp: FlatParamLayout, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """`fp`'s (padded_numel,) part of `buffer` (default: the group's gradient buffer)."""
+        offset, numel = self._where[fp.index]
+        return (self.grad if buffer is None else buffer)[offset:offset + numel]
 
 
 class DDPEngine(Checkpointing, Engine):
@@ -56,23 +103,29 @@ class DDPEngine(Checkpointing, Engine):
         self.flat_params: list[FlatParamLayout] = build_flat_params(infos, self.world_size, self.rank,
                                                                     config.bucket_numel)
         self.flat_data: list[torch.Tensor] = []  # (padded_numel,) param dtype, one per bucket
-        self.flat_grads: list[torch.Tensor | None] = []  # (padded_numel,) full gradients, trainable buckets
         fp32_values = []  # (padded_numel,) fp32 each, construction only: what the masters start from
         for fp in self.flat_params:
             data, fp32 = fp.flatten_params(policy.param_dtype)  # bf16/fp16 params (frozen too) when mixed
             self.flat_data.append(data)
             fp32_values.append(fp32)
-            grad = fp.new_flat() if fp.requires_grad else None
+        self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
+        # Consecutive trainable buckets share one gradient buffer and one all-reduce: [Note: all-reduce groups].
+        self.groups = [AllReduceGroup(k, [self.trainable[i] for i in members]) for k, members in enumerate(
+            plan_all_reduce_groups([fp.padded_numel for fp in self.trainable],
+                                   [fp.dtype for fp in self.trainable], config.bucket_numel))]
+        self.group_of: dict[int, AllReduceGroup] = {fp.index: g for g in self.groups for fp in g.members}
+        self.flat_grads: list[torch.Tensor | None] = []  # (padded_numel,) full gradients, views into their group's
+        for fp in self.flat_params:
+            grad = self.group_of[fp.index].grad_of(fp) if fp.requires_grad else None
             fp.use_as_grad_storage(grad)
             self.flat_grads.append(grad)
-        self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
         self.optimizer = ShardedOptimizer(
             optimizer_cls, optimizer_kwargs,
             param_shards=[self.flat_data[fp.index] for fp in self.trainable],  # the whole buffer: replicated
             options=[fp.options for fp in self.trainable], policy=policy, comm=comm, scaler=scaler,
             master_init=[fp32_values[fp.index] for fp in self.trainable])
         del fp32_values
-        self.reductions: dict[int, GradReduction] = {}  # bucket -> its all-reduce, from its hook until step
+        self.reductions: dict[int, GradReduction] = {}  # group -> its all-reduce, from its hook until step
         self.in_flight = InFlight()
         self.tracker = GradReadyTracker(self.flat_params, self._on_bucket_ready, self._on_backward_end,
                                         on_first_grad=self._adopt_user_grads)
@@ -98,22 +151,27 @@ class DDPEngine(Checkpointing, Engine):
         fp.use_as_grad_storage(grad)
 
     def _on_bucket_ready(self, fp: FlatParamLayout) -> None:
-        """A bucket's gradients are all accumulated: average them over ranks, asynchronously."""
-        grad, partials = self.flat_grads[fp.index], self.partials_of(fp)
-        if not self.sync_gradients:  # no_sync: gradients keep accumulating in the bucket, or under
+        """A bucket's gradients are all accumulated; once its group's are, average them over ranks, asynchronously."""
+        group = self.group_of[fp.index]
+        if fp is not group.members[-1]:
+            return  # buckets are released in order (core/hooks.py): the group's last one comes last
+        grad, partials = group.grad, self.partials_of(group)
+        if not self.sync_gradients:  # no_sync: gradients keep accumulating in the buffer, or under
             if partials is not None:  # reduction="tree" in pairwise partial sums (core/tree.py)
                 partials.add(grad, reuse=True)
                 grad.zero_()
             return
-        # Divided by N, then summed over ranks: the average, in the bucket or its reduce-dtype copy
+        # Divided by N, then summed over ranks: the average, in the buffer or its reduce-dtype copy
         # (or, under reduction="tree", in the partial sum of the step's micro-batches).
-        reduction = self.reductions[fp.index] = self.grad_reduction(fp, grad)
+        reduction = self.reductions[group.index] = self.grad_reduction(group, grad)
         reduction.all_reduce()
         if reduction.copied or self.scaler is not None:
             # `.grad` shows the average (not the bucket's local sum), and under fp16 unscaled
             # norms: a replicated ShardedGrad (core/user_grads.py), so that
             # torch.nn.utils.clip_grad_norm_ equals engine.clip_grad_norm_.
-            fp.show_grads(fp.sharded_grads(reduction.result, None, lambda: self.loss_scale))
+            for member in group.members:
+                member.show_grads(member.sharded_grads(group.grad_of(member, reduction.result), None,
+                                                       lambda: self.loss_scale))
         self.in_flight.push(reduction)
 
     # 3. finish backward ---------------------------------------------------------------
@@ -134,9 +192,13 @@ class DDPEngine(Checkpointing, Engine):
         return stepped
 
     def averaged_grad(self, fp: FlatParamLayout) -> torch.Tensor:
-        """What the step reads for a bucket: the bucket itself, or the reduce-dtype copy its all-reduce averaged."""
-        reduction = self.reductions.get(fp.index)
-        return reduction.result if reduction is not None else self.flat_grads[fp.index]
+        """What the step reads for a bucket: its gradient buffer, or its part of the reduce-dtype copy its group's
+        all-reduce averaged (that copy is a new tensor; the buffer itself is returned as the same object)."""
+        group = self.group_of[fp.index]
+        reduction = self.reductions.get(group.index)
+        if reduction is None or reduction.result is group.grad:
+            return self.flat_grads[fp.index]
+        return group.grad_of(fp, reduction.result)
 
     def adopt_assigned_grads(self, fp: FlatParamLayout, replaced: list[int]) -> None:
         """A tensor assigned to `.grad` after backward is what a torch optimizer would read: so do we."""
@@ -152,7 +214,8 @@ class DDPEngine(Checkpointing, Engine):
         """Forget the step's reductions (and their reduce-dtype copies); `.grad` shows the buckets again."""
         for index, reduction in self.reductions.items():
             if reduction.copied:
-                self.flat_params[index].use_as_grad_storage(self.flat_grads[index])
+                for fp in self.groups[index].members:
+                    fp.use_as_grad_storage(self.flat_grads[fp.index])
         self.reductions.clear()
 
     # 5. zero_grad ------------------------------------------------------------------------
