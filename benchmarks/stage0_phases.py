@@ -5,14 +5,15 @@
 
 The same runs as benchmarks/speed_vs_torch.py's stage 0 pair (same weights, batches, AdamW with
 the decay / no-decay split, bucket size, DDP with `gradient_as_bucket_view=True`), plus zerokit
-stage 0 with larger buckets (`--also-bucket-numel`, default 2x), which shows what fewer all-reduces
-save. Each run is built afresh per round, rounds
-alternate the order; each phase is timed on its own (`time.perf_counter` around zero_grad, the
-forward, the backward including the wait for its all-reduces, and the optimizer step); a phase's
-figure is the median over the steps after `--warmup`, then the median over rounds, on the slowest
-rank. "all-reduces per step": zerokit's trainable buckets (one all-reduce each); DDP's from
-`DistributedDataParallel._get_ddp_logging_data()` (`rebuilt_bucket_sizes`, after its first
-iterations: DDP closes a bucket once it reaches the cap, zerokit's never exceed it).
+stage 0 as it was before its all-reduce groups (stages/ddp.py [Note: all-reduce groups]): one
+all-reduce per bucket, by planning every group as a single bucket in this process (the only
+change; the buckets and everything else are the same). Each run is built afresh per round,
+rounds alternate the order; each phase is timed on its own (`time.perf_counter` around
+zero_grad, the forward, the backward including the wait for its all-reduces, and the optimizer
+step); a phase's figure is the median over the steps after `--warmup`, then the median over
+rounds, on the slowest rank. "all-reduces per step": zerokit's all-reduce groups (one
+all-reduce each); DDP's from `DistributedDataParallel._get_ddp_logging_data()`
+(`rebuilt_bucket_sizes`, after its first iterations).
 
 Writes benchmarks/results/stage0_phases.json and .md (command, date, commit, machine, versions).
 """
@@ -35,7 +36,13 @@ from zerokit.launch import run_ranks  # noqa: E402
 from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
 
 PHASES = ("zero_grad", "forward", "backward", "step")
-RUNS = ("zerokit stage 0", "torch DDP", "zerokit stage 0, larger buckets")
+PER_BUCKET = "zerokit stage 0, one all-reduce per bucket (before)"
+RUNS = ("zerokit stage 0", "torch DDP", PER_BUCKET)
+
+
+def _one_per_bucket(numels, keys, threshold):
+    """Stage 0's all-reduce groups as they were before them: every bucket a group of its own."""
+    return [[i] for i in range(len(numels))]
 
 
 def _build(name: str, cfg: dict):
@@ -46,11 +53,18 @@ def _build(name: str, cfg: dict):
 
     model = S._initial_model(cfg)
     if name.startswith("zerokit"):
-        bucket_numel = cfg["also_bucket_numel"] if name.endswith("larger buckets") else cfg["bucket_numel"]
-        engine = zk.shard(model, torch.optim.AdamW, stage=0, lr=cfg["lr"], weight_decay=0.1,
-                          bucket_numel=bucket_numel, wrap=(Block,), param_groups=S._no_decay)
+        import zerokit.stages.ddp as ddp_stage
+
+        planned = ddp_stage.plan_all_reduce_groups
+        if name == PER_BUCKET:
+            ddp_stage.plan_all_reduce_groups = _one_per_bucket
+        try:
+            engine = zk.shard(model, torch.optim.AdamW, stage=0, lr=cfg["lr"], weight_decay=0.1,
+                              bucket_numel=cfg["bucket_numel"], wrap=(Block,), param_groups=S._no_decay)
+        finally:
+            ddp_stage.plan_all_reduce_groups = planned
         return (engine.zero_grad, lambda x, y: engine(x, y)[1], engine.backward, engine.step,
-                lambda: len(engine.trainable))
+                lambda: len(engine.groups))
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_numel"] * 4 / 2**20, gradient_as_bucket_view=True)
     opt = torch.optim.AdamW(S._param_groups(model), lr=cfg["lr"], weight_decay=0.1, foreach=True)
 
@@ -119,8 +133,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4, help="runs of each, alternating the order")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--bucket-numel", type=int, default=65536, help="zerokit's bucket_numel and DDP's cap (x 4 bytes)")
-    p.add_argument("--also-bucket-numel", type=int, default=None,
-                   help="zerokit's bucket_numel in the third run (default: twice --bucket-numel)")
     p.add_argument("--timeout", type=float, default=900, help="deadline for the spawn (s)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "stage0_phases",
                    help="results path without extension (.json and .md are written)")
@@ -130,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = {"model": args.model, "seed": 0, "peers": "default", "batch_size": args.batch_size,
            "block_size": preset(args.model).block_size, "steps": args.steps, "warmup": args.warmup,
-           "rounds": args.rounds, "lr": 3e-3, "bucket_numel": args.bucket_numel,
-           "also_bucket_numel": args.also_bucket_numel or 2 * args.bucket_numel}
+           "rounds": args.rounds, "lr": 3e-3, "bucket_numel": args.bucket_numel}
     start = time.perf_counter()
     rows = summarize(run_ranks(phases_rank, args.nproc, cfg, timeout_s=args.timeout))
     result = {**record, "nproc": args.nproc, "config": cfg, "seconds": round(time.perf_counter() - start, 1),
@@ -147,14 +158,16 @@ def _markdown(r: dict) -> str:
         "# Stage 0 beside torch DDP, phase by phase", "", *provenance_lines(r),
         f"- {r['nproc']} gloo ranks, model {c['model']}, {c['batch_size']} x {c['block_size']} tokens per rank per "
         f"step, fp32 AdamW (lr {c['lr']}, weight decay 0.1, none on biases/LayerNorms), bucket {c['bucket_numel']} "
-        f"elements (DDP: bucket_cap_mb = that x 4 bytes, gradient_as_bucket_view; the last run "
-        f"{c['also_bucket_numel']}); "
+        f"elements (DDP: bucket_cap_mb = that x 4 bytes, gradient_as_bucket_view); "
         f"{c['rounds']} rounds of {c['steps']} steps, the first {c['warmup']} of each left out; medians, slowest rank",
         "", *table(r["rows"]), "",
         "Each phase is timed on its own; the sum is a step (speed_vs_torch.py times the step whole). "
         "\"backward\" includes waiting for the step's all-reduces. DDP's buckets close once they reach the cap, so "
-        "they hold a little more than it; zerokit's never exceed it, and the decay / no-decay split puts every "
-        "bias and LayerNorm in a bucket of its own, ready only at the end of backward. zerokit's hooks are "
+        "they hold a little more than it; zerokit's buckets never exceed it, and the decay / no-decay split puts "
+        "every bias and LayerNorm in a bucket of its own, so one all-reduce per bucket (the last run, as stage 0 "
+        "was before) makes more collectives than DDP. Stage 0 now all-reduces consecutive buckets together, a "
+        "group closing once it reaches the cap (DDP's rule applied to whole buckets: stages/ddp.py [Note: "
+        "all-reduce groups]), so its collectives are fewer and larger than DDP's. zerokit's hooks are "
         "Python (two per parameter and backward: core/hooks.py), DDP's reducer is C++; zerokit's step is one "
         "foreach AdamW over its flat buffers, DDP's over every parameter."]) + "\n"
 

@@ -1,0 +1,59 @@
+"""benchmarks/gather_cost.py and benchmarks/stage0_phases.py: a short run writes complete records and tables."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # spawned ranks inherit sys.path, so they can import them too
+
+import gather_cost  # noqa: E402
+import stage0_phases  # noqa: E402
+
+PROVENANCE = {"command", "date", "commit", "machine", "versions"}
+
+
+@pytest.mark.timeout(120)
+def test_gather_cost_times_both_ways_and_counts_what_they_allocate(tmp_path):
+    """2 and 3 ranks, two sizes: a row per (ranks, size), the size rounded to a multiple of the ranks; the rows the
+    two ways gather are checked equal inside the run; zerokit's broadcasts allocate nothing in flight, torch's
+    gather at least its output (gloo's buffer); the ratio is the times' ratio."""
+    argv = ["--nproc", "2", "3", "--numel", "100", "30000", "--calls", "3", "--rounds", "1",
+            "--out", str(tmp_path / "gc")]
+    assert gather_cost.main(argv) == 0
+    record = json.loads((tmp_path / "gc.json").read_text())
+    md = (tmp_path / "gc.md").read_text()
+    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/gather_cost.py " + " ".join(argv)
+    assert [(r["world_size"], r["numel"]) for r in record["rows"]] == [(2, 100), (2, 30000), (3, 99), (3, 30000)]
+    torch_way, zk_way = gather_cost.WAYS
+    for row in record["rows"]:
+        assert row["output_bytes"] == 4 * row["numel"]
+        assert row["ms"][torch_way] > 0 and row["ms"][zk_way] > 0
+        assert row["ratio"] == pytest.approx(row["ms"][zk_way] / row["ms"][torch_way])
+        assert row["allocated"][zk_way] == 0, row
+        assert row["allocated"][torch_way] >= row["output_bytes"], row
+    assert "| 3 | 30,000 |" in md and record["commit"] in md
+
+
+@pytest.mark.timeout(120)
+def test_stage0_phases_counts_fewer_all_reduces_with_groups_than_per_bucket(tmp_path):
+    """2 ranks, tiny model, small buckets: three runs, every phase timed; zerokit's all-reduce groups make fewer
+    collectives than one per bucket (the run as stage 0 was before), DDP's count read from DDP itself; the
+    ratios are against DDP's sum."""
+    argv = ["--nproc", "2", "--model", "tiny", "--steps", "3", "--warmup", "1", "--rounds", "1",
+            "--bucket-numel", "2000", "--out", str(tmp_path / "s0")]
+    assert stage0_phases.main(argv) == 0
+    record = json.loads((tmp_path / "s0.json").read_text())
+    md = (tmp_path / "s0.md").read_text()
+    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/stage0_phases.py " + " ".join(argv)
+    rows = {r["run"]: r for r in record["rows"]}
+    assert list(rows) == list(stage0_phases.RUNS)
+    grouped, ddp, per_bucket = (rows[name] for name in stage0_phases.RUNS)
+    assert 1 <= grouped["all_reduces"] < per_bucket["all_reduces"], rows
+    assert ddp["all_reduces"] >= 1
+    for row in rows.values():
+        assert set(row["ms"]) == set(stage0_phases.PHASES) and all(v > 0 for v in row["ms"].values())
+        assert row["total_ms"] == pytest.approx(sum(row["ms"].values()))
+        assert f"| {row['run']} | {row['all_reduces']} |" in md
+    assert f"| {ddp['total_ms'] / ddp['total_ms']:.2f} |" in md
