@@ -19,7 +19,9 @@ import zerokit as zk
 from zerokit.core.comm import Comm, Simulated
 from zerokit.launch import run_ranks
 
-STEPS, CLIP = 10, 0.3  # 0.3 is below the GPTs' gradient norms (~1-2): clipping scales every step
+# 0.3 is below the GPTs' gradient norms (~1-2): clipping scales every step. 5 steps (the runs' spawns took 83 s
+# of the suite at 10 steps, 62 s at 5): every step's norm and the final state are compared bit for bit.
+STEPS, CLIP = 5, 0.3
 STAGES = (0, 1, 2, 3)
 # (model preset, micro-batches per step M, world sizes, precision, stages): the issue's cases, M = 4 on the small
 # GPT at W = 1, 2, 4 and M = 8 on the tiny one at W = 1 and 8, every stage, fp32 and bf16; and fp16 (whose 1/N
