@@ -2,7 +2,6 @@
 import math
 
 import pytest
-
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -95,7 +94,9 @@ def test_stage0_all_reduces_the_small_gpts_buckets_in_groups():
     assert all(sum(fp.padded_numel for fp in g.members) >= 65536 for g in engine.groups[:-1])
     for g in engine.groups:
         ptr, size = g.grad.untyped_storage().data_ptr(), g.grad.element_size()
-        assert [engine.flat_grads[fp.index].data_ptr() for fp in g.members] == [ptr + o * size for o in g.offsets]
+        assert [engine.flat_grads[fp.index].data_ptr() for fp in g.members] == [
+            ptr + g.offsets[fp.index] * size for fp in g.members]
+        assert list(g.offsets.values()) == [sum(fp.padded_numel for fp in g.members[:j]) for j in range(len(g.members))]
     assert engine.groups[-1].label.startswith("buckets 8, 9 (")
 
 

@@ -6,9 +6,9 @@ stage hands to one collective. Small buckets start communicating early in backwa
 late. `bucket_numel` caps a bucket's elements (DDP's `bucket_cap_mb`, in elements).
 
 `plan_buckets` and `plan_all_reduce_groups` are pure index math (tested with hypothesis);
-`InFlight` keeps launched
-collectives in launch order so that a stage can bound how many full-size buffers are
-alive (stage 2 frees a bucket's gradient as soon as its reduce-scatter completes).
+`InFlight` keeps launched collectives in launch order so that a stage can bound how many
+full-size buffers are alive (stage 2 frees a bucket's gradient as soon as its reduce-scatter
+completes).
 """
 from __future__ import annotations
 

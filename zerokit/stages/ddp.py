@@ -68,27 +68,27 @@ class AllReduceGroup:
     """Consecutive trainable buckets whose gradients live back to back in one buffer, all-reduced in one call.
 
     `grad` (sum of the members' padded_numel,) is the storage; each member's flat gradient is a
-    view into it (`grad_of`). `index` and `label` are what `Engine.grad_reduction` and the
+    view into it at `offsets[fp.index]` (`grad_of`). `index` and `label` are what `Engine.grad_reduction` and the
     collective recorder need of a bucket ("buckets 2, 3 (blocks.1.*)"; frozen buckets, which
     have no gradient, may sit between two members' indices).
     """
 
     def __init__(self, index: int, members: list[FlatParamLayout]):
         self.index, self.members = index, members
-        self.offsets, total = [], 0
+        self.offsets: dict[int, int] = {}  # bucket index -> where its gradient starts in `grad`
+        total = 0
         for fp in members:
-            self.offsets.append(total)
+            self.offsets[fp.index] = total
             total += fp.padded_numel
         self.grad = members[0].new_flat(numel=total)  # zeros, the param dtype
         self.label = members[0].label if len(members) == 1 else (  # "buckets 4, 5 (blocks.1.*)"
             f"buckets {', '.join(str(fp.index) for fp in members)} "
             f"({summarize_names([n[0] for fp in members for n in fp.names])})")
-        self._where = {fp.index: (o, fp.padded_numel) for fp, o in zip(members, self.offsets)}
 
     def grad_of(self, fp: FlatParamLayout, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """`fp`'s (padded_numel,) part of `buffer` (default: the group's gradient buffer)."""
-        offset, numel = self._where[fp.index]
-        return (self.grad if buffer is None else buffer)[offset:offset + numel]
+        offset = self.offsets[fp.index]
+        return (self.grad if buffer is None else buffer)[offset:offset + fp.padded_numel]
 
 
 class DDPEngine(Checkpointing, Engine):
