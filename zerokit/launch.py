@@ -34,8 +34,13 @@ A rank started with "spawn" is a fresh interpreter that imports torch and zeroki
 anything: about 1 s of CPU per rank, 2.3 s for 2 ranks and 4.6 s for 4 on this 2-core machine,
 paid again by every `run_ranks` call (the test suite makes ~150). Ranks are therefore forked
 from a forkserver: one process, started at the first `run_ranks`, that imports torch and
-zerokit once (`_PRELOAD`) and forks a rank per request. It is forked before any process group,
-thread pool or CUDA context exists (importing torch creates none), so a rank is as clean as a
+zerokit once (`_PRELOAD`) and forks a rank per request. The preload also holds what every rank
+would otherwise import by itself later: torch._dynamo, which the first torch optimizer a rank
+builds imports (`Optimizer.add_param_group` is wrapped by `torch._disable_dynamo`), 2.4 s of CPU
+with sympy and DTensor's op tables, in every rank (without it, tests/distributed/test_zero12.py and
+test_user_loops.py took 84 s, with it 53 s); and zerokit's stage modules, which `zk.shard` imports
+when it picks one. The forkserver starts before any process group, thread pool or CUDA context
+exists (importing these creates none), so a rank is as clean as a
 spawned one; each rank then takes the caller's current environment (`os.environ` as the
 forkserver saw it at its start is older) and its current stdout and stderr (pytest's capture of
 the test that started the forkserver is another file), and runs the same `_worker`. A forked rank leaves
@@ -179,7 +184,8 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s:
 
 
 # Imported once by the forkserver; every rank forked from it starts with them loaded ([Note: starting ranks]).
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.nn", "zerokit", "zerokit.launch"]
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.nn", "torch._dynamo", "zerokit", "zerokit.launch",
+            "zerokit.stages.ddp", "zerokit.stages.zero1", "zerokit.stages.zero2", "zerokit.stages.zero3"]
 
 
 def _context():

@@ -197,6 +197,20 @@ def test_run_ranks_fails_a_rank_that_aborts_after_returning(tmp_path, monkeypatc
         run_ranks(_abort_at_exit, 2, store_dir=str(tmp_path), timeout_s=60)
 
 
+def _imported_before_fn(rank, world_size):
+    """What this rank had imported when fn started, of what ranks import anyway (a torch optimizer, zk.shard)."""
+    return sorted(m for m in ("torch._dynamo", "zerokit.stages.ddp", "zerokit.stages.zero3") if m in sys.modules)
+
+
+def test_forked_ranks_start_with_what_every_rank_imports(tmp_path, monkeypatch):
+    """[Note: starting ranks]: torch._dynamo (2.4 s of CPU, imported by a rank's first torch optimizer) and the
+    stage modules come from the forkserver's preload, not imported again by every rank."""
+    from zerokit.launch import run_ranks
+    monkeypatch.delenv("ZEROKIT_START", raising=False)
+    assert run_ranks(_imported_before_fn, 2, store_dir=str(tmp_path), timeout_s=60) == \
+        [["torch._dynamo", "zerokit.stages.ddp", "zerokit.stages.zero3"]] * 2
+
+
 def _blocked_where_no_collective_reaches(rank, world_size):
     if rank == 0:
         time.sleep(0.5)
