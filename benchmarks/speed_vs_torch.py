@@ -41,7 +41,9 @@ x ranks) divided by it; the loss check is the largest |zerokit loss - peer loss|
 rounds and ranks. ZeroRedundancyOptimizer and FSDP may reduce in another order than zerokit, so
 they are held to a stated tolerance, not to equality (at 2 ranks they do agree bit for bit: a
 sum of two values has only one order). Each stage's ratio is zerokit's time over its FASTEST
-peer's (the reference row excluded), and every pair's own ratio is listed too.
+peer's (the reference row excluded), and every pair's own ratio is listed too; beside it, the
+lowest and highest of that ratio taken round by round (each round's own medians), the spread
+that time alone puts on it.
 
 Allocator bytes. After the timing rounds every run is built once more, untimed, and trained
 `--memory-warmup` + `--memory-steps` steps (the same loop body; the first steps create the
@@ -676,8 +678,11 @@ def summarize(per_rank: list[dict[str, list[dict]]], cfg: dict) -> dict:
         ranks = [r[name] for r in per_rank]  # [rank][round]
         median = max(statistics.median(t for rnd in rounds for t in rnd["step_ms"][cfg["warmup"]:])
                      for rounds in ranks)
+        # each round's own median (slowest rank): zerokit and its peers run back to back within a round
+        by_round = [max(statistics.median(rounds[k]["step_ms"][cfg["warmup"]:]) for rounds in ranks)
+                    for k in range(len(ranks[0]))]
         runs[name] = {
-            "step_ms_median": median, "tokens_per_s": tokens_per_step / (median / 1e3),
+            "step_ms_median": median, "tokens_per_s": tokens_per_step / (median / 1e3), "round_ms": by_round,
             "step_ms": [[rnd["step_ms"] for rnd in rounds] for rounds in ranks],  # [rank][round][step]
             "losses": [[rnd["losses"] for rnd in rounds] for rounds in ranks],  # [rank][round][step]
             "memory": [rounds[0]["memory"] for rounds in ranks],  # [rank]
@@ -693,6 +698,7 @@ def summarize(per_rank: list[dict[str, list[dict]]], cfg: dict) -> dict:
                     "role": "reference" if (stage, peer) in REFERENCES else "peer",
                     "zerokit_ms": zk_run["step_ms_median"], "zerokit_tokens_per_s": zk_run["tokens_per_s"],
                     "zerokit_memory": zk_run["memory"][0], "peer_ms": None, "peer_tokens_per_s": None, "ratio": None,
+                    "ratio_by_round": None,
                     "peer_memory": None, "max_abs_loss_diff": None, "loss_tolerance": None,
                     "loss_within_tolerance": None, "peer_error": peer_run.get("error"),
                     "zerokit_peak_step_bytes": _bytes_of(zk_run, "peak_step_bytes"),
@@ -705,6 +711,7 @@ def summarize(per_rank: list[dict[str, list[dict]]], cfg: dict) -> dict:
                 tolerance = FP32_LOSS_TOLERANCE if cfg["precision"] == "fp32" else None
                 pair.update(peer_ms=peer_run["step_ms_median"], peer_tokens_per_s=peer_run["tokens_per_s"],
                             ratio=zk_run["step_ms_median"] / peer_run["step_ms_median"],
+                            ratio_by_round=[z / q for z, q in zip(zk_run["round_ms"], peer_run["round_ms"])],
                             peer_memory=peer_run["memory"][0], max_abs_loss_diff=diff, loss_tolerance=tolerance,
                             loss_within_tolerance=None if tolerance is None else bool(diff <= tolerance))
             pairs.append(pair)
@@ -747,6 +754,7 @@ def stage_lines(pairs: list[dict]) -> list[dict]:
             "stage": stage, "zerokit": mine[0]["zerokit"], "zerokit_ms": mine[0]["zerokit_ms"],
             "fastest_peer": fastest and fastest["peer"], "fastest_peer_ms": fastest and fastest["peer_ms"],
             "ratio_vs_fastest": fastest and fastest["ratio"],
+            "ratio_by_round_vs_fastest": fastest and fastest["ratio_by_round"],
             "max_abs_loss_diff": fastest and fastest["max_abs_loss_diff"],
             "ratios": {p["peer"]: p["ratio"] for p in mine},  # every pair's, references and errors (None) too
             "zerokit_peak_step_bytes": zk_peak,
@@ -800,7 +808,7 @@ def table(pairs: list[dict]) -> list[str]:
 
 def stage_table(lines: list[dict]) -> list[str]:
     """The summary: per stage, the ratio against the fastest peer, every pair's ratio, bytes against the lowest peer."""
-    rows = ["| zerokit | fastest peer at that stage | zerokit ms | peer ms | step time ratio (zk / fastest) "
+    rows = ["| zerokit | fastest peer at that stage | zerokit ms | peer ms | step time ratio (zk / fastest; by round) "
             "| every pair's ratio | peak MB in a step (zk / lowest peer) | MB between steps (zk / that peer) |",
             "|---|---|---:|---:|---:|---|---:|---:|"]
     for s in lines:
@@ -809,6 +817,9 @@ def stage_table(lines: list[dict]) -> list[str]:
             fastest, peer_ms, ratio = "none ran", "-", "-"
         else:
             fastest, peer_ms, ratio = s["fastest_peer"], f"{s['fastest_peer_ms']:.1f}", f"{s['ratio_vs_fastest']:.2f}"
+            by_round = s.get("ratio_by_round_vs_fastest") or []
+            if len(by_round) > 1:  # the spread of the rounds' own ratios: how much of the ratio is noise
+                ratio += f" ({min(by_round):.2f}-{max(by_round):.2f})"
         low = f" ({_short(s['lowest_peak_peer'])})" if s["lowest_peak_peer"] else ""
         rows.append(f"| {s['zerokit']} | {fastest} | {s['zerokit_ms']:.1f} | {peer_ms} | {ratio} | {ratios} "
                     f"| {_mb(s['zerokit_peak_step_bytes'])} / {_mb(s['lowest_peer_peak_step_bytes'])}{low} "
@@ -934,7 +945,10 @@ def markdown(record: dict) -> list[str]:
           "- ms: median step time (forward + backward + optimizer step + zero_grad) over every round's timed "
           "steps, on the slowest rank; ratio > 1 means zerokit is slower. tok/s: global tokens per step / that time."
           + ("" if not summary else " A stage's fastest peer is the quickest of its peers that ran (the DDP "
-             "reference beside stage 2 is never chosen); every pair's own ratio is listed too."),
+             "reference beside stage 2 is never chosen); every pair's own ratio is listed too. By round: the "
+             "lowest and highest of the same ratio taken from each round's own medians (zerokit and its peers run "
+             "back to back within a round, the order reversed every other round): how far the ratio moves with "
+             "nothing changed but time, on this machine."),
           "- max abs Δloss: largest |zerokit loss - peer loss| over every step, round and rank, same weights and "
           "batches; 0 means bit for bit. "
           + ("zerokit and the torch peers compute in different precisions or recipes here, so it is informational."

@@ -76,12 +76,14 @@ def _build(name: str, cfg: dict):
             opt.step, buckets)
 
 
-def phases_rank(rank: int, world_size: int, cfg: dict) -> dict:
+def phases_rank(rank: int, world_size: int, cfg: dict, build=_build, runs: tuple[str, ...] = RUNS) -> dict:
+    """Every run in `runs`, built by `build(name, cfg)`, `rounds` times: each phase's per-round medians
+    (benchmarks/stage1_phases.py passes its own runs)."""
     batches = S._batches(cfg, rank, world_size, torch.device("cpu"), cfg["steps"])
-    out = {name: {"ms": {p: [] for p in PHASES}} for name in RUNS}
+    out = {name: {"ms": {p: [] for p in PHASES}} for name in runs}
     for r in range(cfg["rounds"]):
-        for name in (RUNS if r % 2 == 0 else RUNS[::-1]):
-            zero_grad, forward, backward, step, buckets = _build(name, cfg)
+        for name in (runs if r % 2 == 0 else runs[::-1]):
+            zero_grad, forward, backward, step, buckets = build(name, cfg)
             times = {p: [] for p in PHASES}
             for i, (x, y) in enumerate(batches):
                 t0 = time.perf_counter()
@@ -105,7 +107,7 @@ def phases_rank(rank: int, world_size: int, cfg: dict) -> dict:
 
 def summarize(per_rank: list[dict]) -> list[dict]:
     rows = []
-    for name in RUNS:
+    for name in per_rank[0]:
         rounds = len(per_rank[0][name]["ms"]["forward"])
         ms = {p: statistics.median(max(rank[name]["ms"][p][k] for rank in per_rank) for k in range(rounds))
               for p in PHASES}
@@ -113,10 +115,10 @@ def summarize(per_rank: list[dict]) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict]) -> list[str]:
-    ddp = next(r for r in rows if r["run"] == "torch DDP")
-    lines = ["| run | all-reduces per step | zero_grad ms | forward ms | backward ms (incl. wait) | step ms | sum ms "
-             "| sum / DDP's |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+def table(rows: list[dict], peer: str = "torch DDP", collectives: str = "all-reduces per step") -> list[str]:
+    ddp = next(r for r in rows if r["run"] == peer)
+    lines = [f"| run | {collectives} | zero_grad ms | forward ms | backward ms (incl. wait) | step ms | sum ms "
+             f"| sum / {peer.removeprefix('torch ')}'s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ms = r["ms"]
         lines.append(f"| {r['run']} | {r['all_reduces']} | {ms['zero_grad']:.2f} | {ms['forward']:.2f} | "
@@ -124,8 +126,12 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, *, script: str = __file__, doc: str = __doc__, build=_build,
+         runs: tuple[str, ...] = RUNS, peer: str = "torch DDP", collectives: str = "all-reduces per step",
+         markdown=None) -> int:
+    """Run `runs` (built by `build`), print the table, write the results. stage1_phases.py passes its own."""
+    name = Path(script).stem
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2, help="gloo ranks")
     p.add_argument("--model", default="small", help="model preset (zerokit.models)")
     p.add_argument("--steps", type=int, default=30, help="steps per run, warm-up included")
@@ -134,21 +140,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--bucket-numel", type=int, default=65536, help="zerokit's bucket_numel and DDP's cap (x 4 bytes)")
     p.add_argument("--timeout", type=float, default=900, help="deadline for the spawn (s)")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "stage0_phases",
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / name,
                    help="results path without extension (.json and .md are written)")
     args = p.parse_args(argv)
-    record = provenance(command_line(__file__, argv))
+    record = provenance(command_line(script, argv))
     from zerokit.models import preset
 
     cfg = {"model": args.model, "seed": 0, "peers": "default", "batch_size": args.batch_size,
            "block_size": preset(args.model).block_size, "steps": args.steps, "warmup": args.warmup,
            "rounds": args.rounds, "lr": 3e-3, "bucket_numel": args.bucket_numel}
     start = time.perf_counter()
-    rows = summarize(run_ranks(phases_rank, args.nproc, cfg, timeout_s=args.timeout))
+    rows = summarize(run_ranks(phases_rank, args.nproc, cfg, build, runs, timeout_s=args.timeout))
     result = {**record, "nproc": args.nproc, "config": cfg, "seconds": round(time.perf_counter() - start, 1),
               "rows": rows}
-    print("\n".join(table(rows)))
-    write_pair(args.out, result, _markdown(result))
+    print("\n".join(table(rows, peer, collectives)))
+    write_pair(args.out, result, (markdown or _markdown)(result))
     return 0
 
 

@@ -1,15 +1,17 @@
-"""benchmarks/gather_cost.py and benchmarks/stage0_phases.py: a short run writes complete records and tables."""
+"""benchmarks/gather_cost.py, stage0_phases.py and stage1_phases.py: a short run writes complete records and tables."""
 import json
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # spawned ranks inherit sys.path, so they can import them too
 
 import gather_cost  # noqa: E402
 import stage0_phases  # noqa: E402
+import stage1_phases  # noqa: E402
 
 PROVENANCE = {"command", "date", "commit", "machine", "versions"}
 
@@ -57,3 +59,32 @@ def test_stage0_phases_counts_fewer_all_reduces_with_groups_than_per_bucket(tmp_
         assert row["total_ms"] == pytest.approx(sum(row["ms"].values()))
         assert f"| {row['run']} | {row['all_reduces']} |" in md
     assert f"| {ddp['total_ms'] / ddp['total_ms']:.2f} |" in md
+
+
+@pytest.mark.timeout(120)
+def test_stage1_phases_times_stage1_beside_zero_redundancy_optimizer(tmp_path):
+    """2 ranks, tiny model, small buckets: both runs, every phase timed; zerokit's count is one reduce-scatter per
+    trainable bucket, torch's read from its DDP; the sums' ratios are against ZeroRedundancyOptimizer's."""
+    import zerokit as zk
+    from zerokit.core.comm import Comm, Simulated
+    from zerokit.models import Block, build_model
+
+    argv = ["--nproc", "2", "--model", "tiny", "--steps", "3", "--warmup", "1", "--rounds", "1",
+            "--bucket-numel", "2000", "--out", str(tmp_path / "s1")]
+    assert stage1_phases.main(argv) == 0
+    record = json.loads((tmp_path / "s1.json").read_text())
+    md = (tmp_path / "s1.md").read_text()
+    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/stage1_phases.py " + " ".join(argv)
+    rows = {r["run"]: r for r in record["rows"]}
+    assert list(rows) == list(stage1_phases.RUNS)
+    zk_row, zero = rows[stage1_phases.ZK], rows[stage1_phases.ZERO]
+    # the same model and buckets, built here as rank 0 of 2: its trainable buckets are the reduce-scatters
+    engine = zk.shard(build_model("tiny", seed=0), torch.optim.AdamW, stage=1, bucket_numel=2000, wrap=(Block,),
+                      param_groups=stage1_phases.S._no_decay, comm=Comm(simulate=Simulated(0, 2)))
+    assert zk_row["all_reduces"] == len(engine.trainable) > 1
+    assert zero["all_reduces"] >= 1
+    for row in rows.values():
+        assert set(row["ms"]) == set(stage0_phases.PHASES) and all(v > 0 for v in row["ms"].values())
+        assert f"| {row['run']} | {row['all_reduces']} |" in md
+    assert "| run | gradient collectives per step |" in md and "sum / ZeroRedundancyOptimizer's |" in md
+    assert f"| {zk_row['total_ms'] / zero['total_ms']:.2f} |" in md

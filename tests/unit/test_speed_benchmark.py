@@ -120,6 +120,24 @@ def test_a_peer_that_fails_gets_its_error_in_the_table_and_no_number():
     assert "| FSDP1 FULL_SHARD -, FSDP2 fully_shard 0.80 |" in summary[-1]
 
 
+def test_ratio_by_round_is_each_rounds_own_ratio_and_the_summary_shows_its_spread():
+    """Each round's median (slowest rank) over the peer's in that round; the stage line shows lowest-highest."""
+    def rounds(*timed: float) -> list[dict]:  # one round per value: a warm-up step, then the timed one
+        memory = {"params": 4, "grads": 4, "master_params": 0, "optimizer_states": 8}
+        return [{"losses": [3.0, 2.5], "step_ms": [50.0, ms], "peak_bytes": None, "memory": memory} for ms in timed]
+
+    cfg = {"stages": [1], "batch_size": 2, "block_size": 4, "nproc": 2, "warmup": 1, "precision": "fp32"}
+    per_rank = [{"zerokit stage 1": rounds(10.0, 12.0), ZERO: rounds(10.0, 10.0)},
+                {"zerokit stage 1": rounds(11.0, 9.0), ZERO: rounds(10.0, 12.0)}]
+    out = speed_vs_torch.summarize(per_rank, cfg)
+    (pair,) = out["pairs"]
+    # rounds, slowest rank: zerokit 11 and 12, the peer 10 and 12; over all rounds each rank's median: 11 and 11
+    assert pair["ratio_by_round"] == [pytest.approx(1.1), pytest.approx(1.0)]
+    assert pair["ratio"] == pytest.approx(1.0)
+    assert out["stages"][0]["ratio_by_round_vs_fastest"] == pair["ratio_by_round"]
+    assert "| 1.00 (1.00-1.10) |" in speed_vs_torch.stage_table(out["stages"])[-1]
+
+
 def test_cpu_allocator_pass_counts_a_free_made_on_another_thread():
     """On CPU a tensor freed on another thread leaves c10's all-threads counter, not the main-thread ledger."""
     from torch.profiler import ProfilerActivity, profile
