@@ -80,11 +80,12 @@ def phases_rank(rank: int, world_size: int, cfg: dict, build=_build, runs: tuple
     """Every run in `runs`, built by `build(name, cfg)`, `rounds` times: each phase's per-round medians
     (benchmarks/stage1_phases.py passes its own runs)."""
     batches = S._batches(cfg, rank, world_size, torch.device("cpu"), cfg["steps"])
-    out = {name: {"ms": {p: [] for p in PHASES}} for name in runs}
+    out = {name: {"ms": {p: [] for p in PHASES}, "whole_ms": []} for name in runs}
     for r in range(cfg["rounds"]):
         for name in (runs if r % 2 == 0 else runs[::-1]):
             zero_grad, forward, backward, step, buckets = build(name, cfg)
             times = {p: [] for p in PHASES}
+            whole = []  # each step's four phases together: a step's median is not the sum of the phases' medians
             for i, (x, y) in enumerate(batches):
                 t0 = time.perf_counter()
                 zero_grad()
@@ -99,8 +100,10 @@ def phases_rank(rank: int, world_size: int, cfg: dict, build=_build, runs: tuple
                 if i >= cfg["warmup"]:
                     for p, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                         times[p].append(1e3 * dt)
+                    whole.append(1e3 * (t4 - t0))
             for p in PHASES:
                 out[name]["ms"][p].append(statistics.median(times[p]))
+            out[name]["whole_ms"].append(statistics.median(whole))
             out[name]["all_reduces"] = buckets()
     return out
 
@@ -111,18 +114,22 @@ def summarize(per_rank: list[dict]) -> list[dict]:
         rounds = len(per_rank[0][name]["ms"]["forward"])
         ms = {p: statistics.median(max(rank[name]["ms"][p][k] for rank in per_rank) for k in range(rounds))
               for p in PHASES}
-        rows.append({"run": name, "ms": ms, "total_ms": sum(ms.values()), "all_reduces": per_rank[0][name]["all_reduces"]})
+        whole = statistics.median(max(rank[name]["whole_ms"][k] for rank in per_rank) for k in range(rounds))
+        rows.append({"run": name, "ms": ms, "total_ms": sum(ms.values()), "whole_ms": whole,
+                     "all_reduces": per_rank[0][name]["all_reduces"]})
     return rows
 
 
 def table(rows: list[dict], peer: str = "torch DDP", collectives: str = "all-reduces per step") -> list[str]:
     ddp = next(r for r in rows if r["run"] == peer)
+    short = peer.removeprefix("torch ")
     lines = [f"| run | {collectives} | zero_grad ms | forward ms | backward ms (incl. wait) | step ms | sum ms "
-             f"| sum / {peer.removeprefix('torch ')}'s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             f"| sum / {short}'s | whole step ms | whole / {short}'s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ms = r["ms"]
         lines.append(f"| {r['run']} | {r['all_reduces']} | {ms['zero_grad']:.2f} | {ms['forward']:.2f} | "
-                     f"{ms['backward']:.2f} | {ms['step']:.2f} | {r['total_ms']:.2f} | {r['total_ms'] / ddp['total_ms']:.2f} |")
+                     f"{ms['backward']:.2f} | {ms['step']:.2f} | {r['total_ms']:.2f} | {r['total_ms'] / ddp['total_ms']:.2f} "
+                     f"| {r['whole_ms']:.2f} | {r['whole_ms'] / ddp['whole_ms']:.2f} |")
     return lines
 
 
@@ -167,7 +174,8 @@ def _markdown(r: dict) -> str:
         f"elements (DDP: bucket_cap_mb = that x 4 bytes, gradient_as_bucket_view); "
         f"{c['rounds']} rounds of {c['steps']} steps, the first {c['warmup']} of each left out; medians, slowest rank",
         "", *table(r["rows"]), "",
-        "Each phase is timed on its own; the sum is a step (speed_vs_torch.py times the step whole). "
+        "Each phase is timed on its own; \"sum\" adds the phases' medians, \"whole step\" is the median of each "
+        "step's four phases together (what speed_vs_torch.py times): the two differ where a phase varies. "
         "\"backward\" includes waiting for the step's all-reduces. DDP's buckets close once they reach the cap, so "
         "they hold a little more than it; zerokit's buckets never exceed it, and the decay / no-decay split puts "
         "every bias and LayerNorm in a bucket of its own, so one all-reduce per bucket (the last run, as stage 0 "

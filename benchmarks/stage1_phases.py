@@ -76,7 +76,8 @@ def _markdown(r: dict) -> str:
         f"parameters_as_bucket_view); {c['rounds']} rounds of {c['steps']} steps, the first {c['warmup']} of each "
         f"left out; medians, slowest rank",
         "", *P.table(r["rows"], peer=ZERO, collectives=COLLECTIVES), "",
-        "Each phase is timed on its own; the sum is a step (speed_vs_torch.py times the step whole). \"backward\" "
+        "Each phase is timed on its own; \"sum\" adds the phases' medians, \"whole step\" is the median of each "
+        "step's four phases together (what speed_vs_torch.py times): the two differ where a phase varies. \"backward\" "
         "includes waiting for the gradient collectives: zerokit reduce-scatters each bucket as it is released (on "
         "gloo an all-to-all and a sum in rank order: core/comm.py [Note: ordered reduction]), torch's DDP "
         "all-reduces its buckets, which close once they reach the cap. Stage 1 cannot group its reduce-scatters as "

@@ -57,6 +57,7 @@ def test_stage0_phases_counts_fewer_all_reduces_with_groups_than_per_bucket(tmp_
     for row in rows.values():
         assert set(row["ms"]) == set(stage0_phases.PHASES) and all(v > 0 for v in row["ms"].values())
         assert row["total_ms"] == pytest.approx(sum(row["ms"].values()))
+        assert row["whole_ms"] > 0 and f"| {row['whole_ms']:.2f} | {row['whole_ms'] / ddp['whole_ms']:.2f} |" in md
         assert f"| {row['run']} | {row['all_reduces']} |" in md
     assert f"| {ddp['total_ms'] / ddp['total_ms']:.2f} |" in md
 
@@ -87,4 +88,6 @@ def test_stage1_phases_times_stage1_beside_zero_redundancy_optimizer(tmp_path):
         assert set(row["ms"]) == set(stage0_phases.PHASES) and all(v > 0 for v in row["ms"].values())
         assert f"| {row['run']} | {row['all_reduces']} |" in md
     assert "| run | gradient collectives per step |" in md and "sum / ZeroRedundancyOptimizer's |" in md
+    assert "| whole step ms | whole / ZeroRedundancyOptimizer's |" in md
+    assert all(row["whole_ms"] > 0 for row in rows.values())
     assert f"| {zk_row['total_ms'] / zero['total_ms']:.2f} |" in md
