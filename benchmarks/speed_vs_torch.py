@@ -817,7 +817,7 @@ def stage_table(lines: list[dict]) -> list[str]:
             fastest, peer_ms, ratio = "none ran", "-", "-"
         else:
             fastest, peer_ms, ratio = s["fastest_peer"], f"{s['fastest_peer_ms']:.1f}", f"{s['ratio_vs_fastest']:.2f}"
-            by_round = s.get("ratio_by_round_vs_fastest") or []
+            by_round = s["ratio_by_round_vs_fastest"]
             if len(by_round) > 1:  # the spread of the rounds' own ratios: how much of the ratio is noise
                 ratio += f" ({min(by_round):.2f}-{max(by_round):.2f})"
         low = f" ({_short(s['lowest_peak_peer'])})" if s["lowest_peak_peer"] else ""

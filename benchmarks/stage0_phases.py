@@ -67,13 +67,14 @@ def _build(name: str, cfg: dict):
                 lambda: len(engine.groups))
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_numel"] * 4 / 2**20, gradient_as_bucket_view=True)
     opt = torch.optim.AdamW(S._param_groups(model), lr=cfg["lr"], weight_decay=0.1, foreach=True)
-
-    def buckets() -> int:
-        sizes = ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes", "")
-        return len(sizes.split(",")) if sizes else -1
-
     return (lambda: opt.zero_grad(set_to_none=False), lambda x, y: ddp(x, y)[1], lambda loss: loss.backward(),
-            opt.step, buckets)
+            opt.step, lambda: ddp_all_reduces(ddp))
+
+
+def ddp_all_reduces(ddp) -> int:
+    """How many all-reduces torch DDP makes per step: its buckets after the first iterations' rebuild."""
+    sizes = ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes", "")
+    return len(sizes.split(",")) if sizes else -1
 
 
 def phases_rank(rank: int, world_size: int, cfg: dict, build=_build, runs: tuple[str, ...] = RUNS) -> dict:

@@ -52,13 +52,8 @@ def _build(name: str, cfg: dict):
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_numel"] * 4 / 2**20, gradient_as_bucket_view=True)
     opt = ZeroRedundancyOptimizer(S._param_groups(model), optimizer_class=torch.optim.AdamW,
                                   parameters_as_bucket_view=True, lr=cfg["lr"], weight_decay=0.1, foreach=True)
-
-    def buckets() -> int:
-        sizes = ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes", "")
-        return len(sizes.split(",")) if sizes else -1
-
     return (lambda: opt.zero_grad(set_to_none=False), lambda x, y: ddp(x, y)[1], lambda loss: loss.backward(),
-            opt.step, buckets)
+            opt.step, lambda: P.ddp_all_reduces(ddp))
 
 
 def main(argv: list[str] | None = None) -> int:
