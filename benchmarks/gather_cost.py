@@ -46,11 +46,13 @@ def _gather(way: str, comm: Comm, output: torch.Tensor, shard: torch.Tensor) -> 
         comm.all_gather(output, shard, async_op=True).wait()
 
 
-def _allocated_in_flight(way: str, comm: Comm, output: torch.Tensor, shard: torch.Tensor) -> int:
+def allocated_while(fn) -> int:
+    """Bytes of every allocation torch.profiler records while `fn()` runs, summed: the issuing thread's and
+    gloo's worker threads' (they run a collective with the issuer's profiler state)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _gather(way, comm, output, shard)
+        fn()
     total = 0
 
     def walk(node):
@@ -65,6 +67,26 @@ def _allocated_in_flight(way: str, comm: Comm, output: torch.Tensor, shard: torc
     return total
 
 
+def timed_rounds(calls_of: dict, calls: int, rounds: int) -> dict[str, list[float]]:
+    """ms per call of each way (`calls_of`: name -> a no-argument call), `rounds` rounds of `calls` calls each,
+    every round running every way after a barrier, alternating which way goes first."""
+    ways = list(calls_of)
+    times = {way: [] for way in ways}
+    for r in range(rounds):
+        for way in (ways if r % 2 == 0 else ways[::-1]):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(calls):
+                calls_of[way]()
+            times[way].append(1e3 * (time.perf_counter() - start) / calls)
+    return times
+
+
+def slowest_rank_median(per_rank_ms: list[list[float]]) -> float:
+    """The median over rounds of each round's slowest rank (per_rank_ms[rank][round])."""
+    return statistics.median(max(ranks) for ranks in zip(*per_rank_ms))
+
+
 def cost_rank(rank: int, world_size: int, cfg: dict) -> dict:
     import warnings
 
@@ -74,24 +96,18 @@ def cost_rank(rank: int, world_size: int, cfg: dict) -> dict:
     for numel in cfg["numel"]:
         shard = torch.randn(numel // world_size, generator=torch.Generator().manual_seed(rank))
         output = torch.empty(shard.numel() * world_size)
+        calls_of = {way: (lambda way=way: _gather(way, comm, output, shard)) for way in WAYS}
         expected = None
-        times = {way: [] for way in WAYS}
         for way in WAYS:  # right rows, and warm
             output.fill_(float("nan"))
             for _ in range(3):
-                _gather(way, comm, output, shard)
+                calls_of[way]()
             if expected is None:
                 expected = output.clone()
             assert torch.equal(output, expected), way
-        for r in range(cfg["rounds"]):
-            for way in (WAYS if r % 2 == 0 else WAYS[::-1]):
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(cfg["calls"]):
-                    _gather(way, comm, output, shard)
-                times[way].append(1e3 * (time.perf_counter() - start) / cfg["calls"])
+        times = timed_rounds(calls_of, cfg["calls"], cfg["rounds"])
         dist.barrier()
-        out[numel] = {"ms": times, "allocated": {way: _allocated_in_flight(way, comm, output, shard) for way in WAYS},
+        out[numel] = {"ms": times, "allocated": {way: allocated_while(calls_of[way]) for way in WAYS},
                       "output_bytes": output.numel() * output.element_size()}
     return out
 
@@ -99,8 +115,7 @@ def cost_rank(rank: int, world_size: int, cfg: dict) -> dict:
 def summarize(per_rank: list[dict], world_size: int) -> list[dict]:
     rows = []
     for numel in per_rank[0]:
-        ms = {way: statistics.median(max(rank[numel]["ms"][way][k] for rank in per_rank)
-                                     for k in range(len(per_rank[0][numel]["ms"][way]))) for way in WAYS}
+        ms = {way: slowest_rank_median([rank[numel]["ms"][way] for rank in per_rank]) for way in WAYS}
         rows.append({"world_size": world_size, "numel": numel, "output_bytes": per_rank[0][numel]["output_bytes"],
                      "ms": ms, "ratio": ms[WAYS[1]] / ms[WAYS[0]],
                      "allocated": {way: max(rank[numel]["allocated"][way] for rank in per_rank) for way in WAYS}})

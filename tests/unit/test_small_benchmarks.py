@@ -1,4 +1,5 @@
-"""benchmarks/gather_cost.py, stage0_phases.py and stage1_phases.py: a short run writes complete records and tables."""
+"""benchmarks/gather_cost.py, reduce_scatter_cost.py, stage0_phases.py and stage1_phases.py: a short run writes complete
+records and tables."""
 import json
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # spawned ranks inherit sys.path, so they can import them too
 
 import gather_cost  # noqa: E402
+import reduce_scatter_cost  # noqa: E402
 import stage0_phases  # noqa: E402
 import stage1_phases  # noqa: E402
 
@@ -36,6 +38,25 @@ def test_gather_cost_times_both_ways_and_counts_what_they_allocate(tmp_path):
         assert row["allocated"][zk_way] == 0, row
         assert row["allocated"][torch_way] >= row["output_bytes"], row
     assert "| 3 | 30,000 |" in md and record["commit"] in md
+
+
+@pytest.mark.timeout(120)
+def test_reduce_scatter_cost_times_three_ways_with_the_same_bits(tmp_path):
+    """2 ranks, two sizes (the odd one rounded down to even): every way timed, their outputs equal bit for bit; the
+    exchange of halves allocates half the N-row recipe's receive buffer in flight (B/2 against B, 4-byte elements)."""
+    argv = ["--numel", "101", "30000", "--calls", "3", "--rounds", "1", "--out", str(tmp_path / "rs")]
+    assert reduce_scatter_cost.main(argv) == 0
+    record = json.loads((tmp_path / "rs.json").read_text())
+    md = (tmp_path / "rs.md").read_text()
+    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/reduce_scatter_cost.py " + " ".join(argv)
+    assert [r["numel"] for r in record["rows"]] == [100, 30000]
+    torch_way, rows_way, halves_way = reduce_scatter_cost.WAYS
+    for row in record["rows"]:
+        assert row["same_bits"] is True and all(row["ms"][way] > 0 for way in reduce_scatter_cost.WAYS)
+        assert row["halves_vs_rows"] == pytest.approx(row["ms"][halves_way] / row["ms"][rows_way])
+        assert row["allocated"][rows_way] == row["input_bytes"] == 4 * row["numel"], row
+        assert row["allocated"][halves_way] == row["input_bytes"] // 2, row
+    assert "| 30,000 |" in md and record["commit"] in md
 
 
 @pytest.mark.timeout(120)
