@@ -35,7 +35,8 @@ reduce-scatter is an all-reduce of the whole buffer inside: more bytes, measured
 N = 2 reduce-scatter (`_exchange_halves`) sends and receives only the peer's half, into a
 (B/2,) buffer, and adds it to this rank's own half: the same one addition, half the receive
 buffer and none of the N-row recipe's copies of the own half (benchmarks/reduce_scatter_cost.py:
-0.8-0.9x the N-row recipe's time at the small GPT's bucket sizes, 0.6x at 1M elements). At 3+
+the same time as the N-row recipe at the small GPT's bucket sizes, where latency is the cost,
+0.7x at 1M elements). At 3+
 ranks the two halves of an ordered all-reduce (stage 0's buckets, issued one by one in backward)
 run apart. A bucket's all-to-all is issued when the bucket is ready. Its rows are summed into
 this rank's own range of the bucket as soon as they have arrived, which frees the (B,) receive
@@ -580,8 +581,7 @@ class Comm:
         (output.numel(),) buffer, then adds its own half to it: one addition per element, a + b == b + a,
         the bits of the rank-order sum (and of the tree's, which at N = 2 is the same one addition).
         An all-to-all with empty splits for this rank itself: half the receive buffer, no copy of the
-        own half to itself and none out of the buffer (small GPT's buckets, 2 gloo ranks:
-        benchmarks/reduce_scatter_cost.py)."""
+        own half to itself and none out of the buffer (benchmarks/reduce_scatter_cost.py)."""
         peer = 1 - self.rank
         halves = input.view(2, -1)
         received = torch.empty(output.numel(), dtype=input.dtype, device=input.device)  # the peer's part of my half
