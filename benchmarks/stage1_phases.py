@@ -11,13 +11,15 @@ optimizer step including the parameters' way back to every rank (zerokit: one co
 all-gather of the updated shards; torch: one broadcast per rank's parameter bucket). Medians over
 the steps after `--warmup`, then over rounds (which alternate the order), on the slowest rank.
 "gradient collectives per step": zerokit's reduce-scatters (one per trainable bucket, each as it
-is released in backward); torch's DDP all-reduces (`_get_ddp_logging_data()`'s
-`rebuilt_bucket_sizes`).
+is released in backward), for stage 1 as it is (buckets close once full, DDP's rule) and with
+buckets capped at `--bucket-numel` (stage 1 before that change, run alongside); torch's DDP
+all-reduces (`_get_ddp_logging_data()`'s `rebuilt_bucket_sizes`).
 
 Writes benchmarks/results/stage1_phases.json and .md (command, date, commit, machine, versions).
 """
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -32,8 +34,14 @@ import stage0_phases as P  # noqa: E402  (the phase-timing loop, the summary and
 from _results import provenance_lines  # noqa: E402
 
 ZK, ZERO = "zerokit stage 1", "torch ZeroRedundancyOptimizer"
-RUNS = (ZK, ZERO)
+CAPPED = "zerokit stage 1, buckets capped (before)"
+RUNS = (ZK, ZERO, CAPPED)
 COLLECTIVES = "gradient collectives per step"
+
+
+def _capped(build_flat_params, *args, close_when_full, **kwargs):
+    """Stage 1's buckets as they were: none above `bucket_numel` (stage 0's and stage 2's rule)."""
+    return build_flat_params(*args, close_when_full=False, **kwargs)
 
 
 def _build(name: str, cfg: dict):
@@ -44,9 +52,17 @@ def _build(name: str, cfg: dict):
     from zerokit.models import Block
 
     model = S._initial_model(cfg)
-    if name == ZK:
-        engine = zk.shard(model, torch.optim.AdamW, stage=1, lr=cfg["lr"], weight_decay=0.1,
-                          bucket_numel=cfg["bucket_numel"], wrap=(Block,), param_groups=S._no_decay)
+    if name in (ZK, CAPPED):
+        import zerokit.stages.zero1 as zero1
+
+        build_flat_params = zero1.build_flat_params
+        if name == CAPPED:
+            zero1.build_flat_params = functools.partial(_capped, build_flat_params)
+        try:
+            engine = zk.shard(model, torch.optim.AdamW, stage=1, lr=cfg["lr"], weight_decay=0.1,
+                              bucket_numel=cfg["bucket_numel"], wrap=(Block,), param_groups=S._no_decay)
+        finally:
+            zero1.build_flat_params = build_flat_params
         return (engine.zero_grad, lambda x, y: engine(x, y)[1], engine.backward, engine.step,
                 lambda: len(engine.trainable))
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_numel"] * 4 / 2**20, gradient_as_bucket_view=True)
@@ -75,10 +91,11 @@ def _markdown(r: dict) -> str:
         "step's four phases together (what speed_vs_torch.py times): the two differ where a phase varies. \"backward\" "
         "includes waiting for the gradient collectives: zerokit reduce-scatters each bucket as it is released (on "
         "gloo an all-to-all and a sum in rank order: core/comm.py [Note: ordered reduction]), torch's DDP "
-        "all-reduces its buckets, which close once they reach the cap. Stage 1 cannot group its reduce-scatters as "
-        "stage 0 groups its all-reduces: a reduce-scatter of two buckets laid end to end gives a rank a range of "
-        "the concatenation, not its shard of each, and a staging buffer that puts each rank's shards together "
-        "would cost a group's size during backward. \"step\" includes bringing the updated parameters to every "
+        "all-reduces its buckets, which close once they reach the cap. Stage 1's buckets follow DDP's rule too (a "
+        "bucket closes once it holds `bucket_numel` elements or more: zerokit/stages/zero1.py [Note: stage 1's "
+        f"buckets]); \"{CAPPED}\" is the same engine with buckets that never exceed the cap, stage 0's and stage 2's "
+        "rule and stage 1's before the change, run alongside to show what the change is worth. \"step\" includes "
+        "bringing the updated parameters to every "
         "rank: zerokit's one coalesced all-gather of every bucket's shard, torch's one broadcast per rank (its "
         "parameters for each rank lie in one bucket)."]) + "\n"
 

@@ -68,14 +68,16 @@ def _cases(rank, world_size):
     grad_shard = torch.empty(3, dtype=torch.float32)
     reduction.reduce_scatter(grad_shard).wait()
     out["reduce_dtype_copy"] = (torch.equal(grad_shard, torch.full((3,), 0.5)), [_nbytes(send)])
-    # 4-5. stages 1 and 2: the post-step all-gather's input clones
+    out["in_place"] = {}
+    # 4-5. stages 1 and 2: the post-step all-gather is in place, no temporary at all (core/comm.py
+    # [Note: in-place gathers]): each input is this rank's own row of its output
     for stage in (1, 2):
         engine = zk.shard(odd_model(), torch.optim.AdamW, stage=stage, lr=1e-2)
-        clones = []
+        pairs = []
         gather_many = engine.comm.all_gather_many
 
         def keeping_inputs(outputs, inputs, *args, **kwargs):
-            clones.extend(inputs)
+            pairs.extend(zip(outputs, inputs))
             return gather_many(outputs, inputs, *args, **kwargs)
 
         engine.comm.all_gather_many = keeping_inputs
@@ -85,8 +87,8 @@ def _cases(rank, world_size):
         params = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
         everyone = [torch.empty_like(params) for _ in range(world_size)]
         dist.all_gather(everyone, params)
-        out[f"stage{stage}_gather_inputs"] = (all(torch.equal(everyone[0], p) for p in everyone),
-                                              [_nbytes(c) for c in clones])
+        out["in_place"][stage] = (all(torch.equal(everyone[0], p) for p in everyone),
+                                  [i.data_ptr() == o.view(world_size, -1)[rank].data_ptr() for o, i in pairs])
     out["sequences"] = _all_reduce_sequences(rank, world_size)
     out["gathers"] = _gather_allocations(rank, world_size)
     return out
@@ -207,10 +209,20 @@ def results(tmp_path_factory):
 
 def test_temporaries_are_freed_when_their_collective_completes(results):
     for rank, out in enumerate(results):
-        for case, (correct, nbytes) in ((c, v) for c, v in out.items() if c not in ("sequences", "gathers")):
+        for case, (correct, nbytes) in ((c, v) for c, v in out.items() if c not in ("sequences", "gathers", "in_place")):
             assert correct, (rank, case)
             assert nbytes, (rank, case, "nothing captured")
             assert nbytes == [0] * len(nbytes), (rank, case, nbytes)
+
+
+def test_stages_1_and_2_gather_their_updated_shards_in_place(results):
+    """The post-step all-gather's inputs are this rank's own rows of the flat buffers (no clone to free), and
+    every rank ends the step with the same parameters. On the old code each input was a clone."""
+    for rank, out in enumerate(results):
+        assert sorted(out["in_place"]) == [1, 2]
+        for stage, (same_params, own_rows) in out["in_place"].items():
+            assert same_params, (rank, stage)
+            assert own_rows and all(own_rows), (rank, stage, own_rows)
 
 
 def test_the_all_gather_halves_of_stage0_go_out_together_after_the_last_all_to_all(results):

@@ -62,6 +62,23 @@ def test_bucket_plan_covers_every_parameter_once_in_reverse_order(numels, cap):
     assert [b[-1] for b in buckets] == sorted((b[-1] for b in buckets), reverse=True), "last params first"
 
 
+@given(numels=st.lists(st.integers(0, 500), min_size=0, max_size=40), cap=st.integers(1, 800))
+def test_bucket_plan_closing_when_full_follows_ddps_rule(numels, cap):
+    """Stage 1's plan (close_when_full): contiguous runs from the last parameter backwards covering every index once;
+    every bucket but the one holding parameter 0 reaches the cap, and without its earliest parameter each would be
+    below it; the capped plan never makes fewer buckets."""
+    buckets = plan_buckets(numels, cap, close_when_full=True)
+    flat = [i for b in buckets for i in b]
+    assert sorted(flat) == list(range(len(numels)))
+    for b in buckets:
+        assert b == list(range(b[0], b[-1] + 1)), "a bucket is a contiguous run"
+        assert sum(numels[i] for i in b[1:]) < cap, "it closed as soon as it reached the cap"
+        if b[0] != 0:
+            assert sum(numels[i] for i in b) >= cap, "only the last bucket may be below the cap"
+    assert [b[-1] for b in buckets] == sorted((b[-1] for b in buckets), reverse=True), "last params first"
+    assert len(buckets) <= len(plan_buckets(numels, cap))
+
+
 @given(numels=st.lists(st.integers(0, 500), min_size=0, max_size=40), cap=st.integers(1, 800),
        keys=st.lists(st.sampled_from("ab"), min_size=40, max_size=40))
 def test_all_reduce_groups_close_once_they_reach_the_cap(numels, cap, keys):

@@ -6,7 +6,8 @@ The layout is not re-derived here: the real engine is built, for the real model 
 on PyTorch's "meta" device (shapes and dtypes, no storage, so even gpt2-xl costs nothing)
 as rank 0 of a simulated world (`Comm(simulate=Simulated(0, N))`, no process group). Its
 `flat_params` come from core/flat_param.py `build_flat_params` (buckets of at most
-`bucket_numel` elements at stages 0-2, one group per ZeRO-3 unit at stage 3), and each
+`bucket_numel` elements at stages 0 and 2, closing once they reach it at stage 1, one group
+per ZeRO-3 unit at stage 3), and each
 buffer's `FlatLayout` (core/partition.py) answers which rank owns which elements:
 
     flat buffer k (padded_numel,)   | p0 ...... | p1 .. | p2 ........ | pad |

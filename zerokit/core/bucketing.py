@@ -16,7 +16,7 @@ from collections import deque
 from typing import Callable
 
 
-def plan_buckets(numels: list[int] | tuple[int, ...], bucket_numel: int) -> list[list[int]]:
+def plan_buckets(numels: list[int] | tuple[int, ...], bucket_numel: int, close_when_full: bool = False) -> list[list[int]]:
     """Group parameter indices into buckets, walking them in reverse registration order.
 
     Gradients arrive roughly in reverse registration order during backward, so the
@@ -24,6 +24,10 @@ def plan_buckets(numels: list[int] | tuple[int, ...], bucket_numel: int) -> list
     indices (returned ascending, so a bucket's flat buffer keeps registration order)
     whose numels sum to at most `bucket_numel`; a parameter larger than the cap gets a
     bucket of its own. Every index appears in exactly one bucket.
+
+    `close_when_full`: torch DDP's rule instead (stage 1: stages/zero1.py [Note: stage 1's
+    buckets]): a bucket closes once it holds `bucket_numel` elements or more, so every bucket
+    but the last reaches the cap and none exceeds it by more than its last parameter.
     """
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
@@ -32,11 +36,14 @@ def plan_buckets(numels: list[int] | tuple[int, ...], bucket_numel: int) -> list
     filled = 0
     for i in reversed(range(len(numels))):
         n = numels[i]
-        if current and filled + n > bucket_numel:
+        if current and filled + n > bucket_numel and not close_when_full:
             buckets.append(sorted(current))
             current, filled = [], 0
         current.append(i)
         filled += n
+        if close_when_full and filled >= bucket_numel:
+            buckets.append(sorted(current))
+            current, filled = [], 0
     if current:
         buckets.append(sorted(current))
     return buckets

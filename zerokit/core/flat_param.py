@@ -1,9 +1,9 @@
 """Flat parameters: many module parameters stored as views into one padded 1-D buffer.
 
 Parameters are grouped by (dtype, requires_grad, hyperparameter overrides); each group
-is cut into buckets of at most `bucket_numel` elements (walking parameters in reverse
-registration order, the order gradients arrive; stage 3 cuts per unit and never splits a
-group), and each bucket is described by one `FlatParamLayout`:
+is cut into buckets of at most `bucket_numel` elements (stage 1: closing once they reach
+it), walking parameters in reverse registration order, the order gradients arrive (stage 3
+cuts per unit and never splits a group), and each bucket is described by one `FlatParamLayout`:
 
     flat_param  (padded_numel,)   p0 | p1 | p2 | zero padding (< world_size)
     param_shard (shard_numel,)    this rank's range [rank * shard_numel, (rank + 1) * shard_numel)
@@ -267,10 +267,12 @@ def unique_params(module: nn.Module, param_groups: ParamGroupFn | None = None) -
 
 
 def build_flat_params(infos: list[ParamInfo], world_size: int, rank: int, bucket_numel: int | None,
-                      first_index: int = 0) -> list[FlatParamLayout]:
+                      first_index: int = 0, close_when_full: bool = False) -> list[FlatParamLayout]:
     """Group parameters by (dtype, requires_grad, overrides) and cut each group into buckets.
 
     `bucket_numel=None`: one flat param per group, never split (stage 3's units).
+    `close_when_full`: a bucket closes once it reaches `bucket_numel` (DDP's rule, stage 1)
+    instead of never exceeding it (`plan_buckets`).
 
     The result is ordered by the earliest-registered parameter of each bucket, descending:
     roughly the order in which backward completes them (gradients arrive in about reverse
@@ -288,7 +290,7 @@ def build_flat_params(infos: list[ParamInfo], world_size: int, rank: int, bucket
     planned: list[tuple[int, tuple, list[int]]] = []
     for key, members in groups.items():
         numels = [infos[i].param.numel() for i in members]
-        cuts = plan_buckets(numels, bucket_numel) if bucket_numel is not None else [list(range(len(members)))]
+        cuts = plan_buckets(numels, bucket_numel, close_when_full) if bucket_numel is not None else [list(range(len(members)))]
         for bucket in cuts:
             indices = [members[j] for j in bucket]
             planned.append((min(indices), key, indices))

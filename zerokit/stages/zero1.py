@@ -10,7 +10,9 @@ between the two halves.
 What happens, per step (differences from stage 0 marked *):
   * construction: rank 0's parameters (frozen ones too) and buffers are broadcast; the
     parameters become views into flat buckets, their `.grad`s views into flat gradient
-    buckets; *the optimizer is built over this rank's param_shard views only, and its
+    buckets; *a bucket closes once it holds `bucket_numel` elements, torch DDP's rule for
+    `bucket_cap_mb` (stages 0 and 2 cap a bucket at `bucket_numel`; see [Note: stage 1's
+    buckets]); *the optimizer is built over this rank's param_shard views only, and its
     grad_shard is a view of this rank's own range of the full gradient bucket;
   * backward: gradients accumulate in the full flat gradient buckets; *as soon as a bucket is
     complete (in bucket order, as stage 0 all-reduces it) it is scaled by 1/N and
@@ -27,10 +29,23 @@ all-gather of the params (B = Ψ·p bytes); with g = p that is 2B, exactly stage
 all-reduce (ZeRO accounting, see core/comm.py). Gradient accumulation inside `no_sync()`
 communicates nothing, as at stage 0: the full buckets keep accumulating.
 
+[Note: stage 1's buckets]
+Stage 1 keeps every bucket's whole gradient through backward, so a bucket's size sets only how
+finely the reduce-scatters are cut, not how much memory they hold: fewer, larger collectives
+cost less latency (each is a rendezvous of every rank). Stage 0 gets that by all-reducing
+groups of buckets from one buffer (ddp.py [Note: all-reduce groups]); stage 1 cannot: a
+reduce-scatter of two buckets laid end to end gives a rank a range of the concatenation, not
+its shard of each. So stage 1 makes the buckets themselves larger: one closes once it holds
+`bucket_numel` elements (core/bucketing.py `plan_buckets(..., close_when_full=True)`), as torch
+DDP closes its buckets, where stage 2, which frees a bucket's gradient after its reduce-scatter,
+keeps the cap as a bound. Small GPT, bucket_numel 65,536: 10 buckets → 8 (DDP: 7); the bits are
+the stages' own either way (core/comm.py [Note: ordered reduction] sums in rank order, whatever
+the buckets). benchmarks/stage1_phases.py runs the capped buckets beside these.
+
 Per-rank memory (Ψ parameters, N ranks, up to padding < N elements per bucket):
   fp32 + Adam:       params 4Ψ + grads 4Ψ + optimizer_states 8Ψ/N
   bf16/fp16 + Adam:  params 2Ψ + grads 2Ψ + master_params 4Ψ/N + optimizer_states 8Ψ/N = 4Ψ + 12Ψ/N
-(plus, transiently, the reduce-scatter's receive buffer and the all-gather's input clone).
+(plus, transiently, the reduce-scatter's receive buffer; the all-gather after the step is in place).
 
 Reduce dtype (core/grad_reduce.py [Note: reduce dtype]): when it is not the param dtype
 (e.g. bf16 params, fp32 reductions), each bucket is cast into a (padded_numel,) reduce-dtype
@@ -57,7 +72,6 @@ from torch import nn
 
 from zerokit.checkpoint import Checkpointing
 from zerokit.core.bucketing import InFlight
-from zerokit.core.comm import free_storage
 from zerokit.core.config import ShardConfig
 from zerokit.core.engine import Engine
 from zerokit.core.flat_param import FlatParamLayout, broadcast_module_state, build_flat_params, check_module
@@ -76,7 +90,7 @@ class Zero1Engine(Checkpointing, Engine):
         infos = check_module(module, comm, self.stage, config.param_groups)
         broadcast_module_state(module, comm)
         self.flat_params: list[FlatParamLayout] = build_flat_params(infos, self.world_size, self.rank,
-                                                                    config.bucket_numel)
+                                                                    config.bucket_numel, close_when_full=True)
         self.flat_data: list[torch.Tensor] = []  # (padded_numel,) param dtype, one per bucket
         self.flat_grads: list[torch.Tensor | None] = []  # (padded_numel,) full gradients, trainable buckets
         # (shard_numel,) this rank's averaged range: a view into the bucket, or its own
@@ -108,7 +122,6 @@ class Zero1Engine(Checkpointing, Engine):
         del fp32_values
         self.in_flight = InFlight()
         self.reductions: dict[int, GradReduction] = {}  # bucket -> its reduce-scatter, until it completes
-        self.gather_inputs: list[torch.Tensor] = []  # (shard_numel,) clones, while all_gather_params runs
         # What `.grad` shows after a synced backward: this rank's part of the grad shard, per param.
         self.shown_grads = {fp.index: fp.sharded_grads(self.grad_shards[fp.index], comm, lambda: self.loss_scale)
                             for fp in self.trainable}
@@ -194,19 +207,12 @@ class Zero1Engine(Checkpointing, Engine):
         """Bring every rank's updated param shard back into the full flat buffers, in place."""
         if self.world_size == 1:
             return  # the shard is the whole buffer and was updated in place
-        # The all-gather's input must not alias its output, and this rank's param shard is a
-        # view into the output. The cheapest distinct input is a clone of that shard in the
-        # param dtype (reads and writes shard_numel * p bytes); re-casting the fp32 master
-        # under mixed precision would read twice as many bytes for the same result. The
-        # clones live until every gather completes: Ψ·p/N transient bytes.
-        inputs = self.gather_inputs  # listed by comm_buffer_tensors() while they are alive
-        inputs.extend(fp.shard_of(self.flat_data[fp.index]).clone() for fp in self.trainable)  # (shard_numel,)
-        # One coalesced collective for every bucket: one round of latency, not one per bucket.
-        self.comm.all_gather_many([self.flat_data[fp.index] for fp in self.trainable], inputs, phase="step",
+        # Each input is this rank's own range of its output: an in-place gather, no copy of the shard
+        # (core/comm.py [Note: in-place gathers]). One coalesced collective for every bucket: one round
+        # of latency, not one per bucket.
+        self.comm.all_gather_many([self.flat_data[fp.index] for fp in self.trainable],
+                                  [fp.shard_of(self.flat_data[fp.index]) for fp in self.trainable], phase="step",
                                   labels=[f"updated params of {fp.label}" for fp in self.trainable]).wait()
-        for clone in inputs:  # freed here, not whenever the Work lets go: core/comm.py [Note: frees at a fixed point]
-            free_storage(clone)
-        inputs.clear()
 
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -249,12 +255,12 @@ class Zero1Engine(Checkpointing, Engine):
         }
 
     def comm_buffer_tensors(self) -> list[torch.Tensor]:
-        """Buffers alive only to communicate: reduce-dtype copies in flight, all-gather input clones.
+        """Buffers alive only to communicate: reduce-dtype copies in flight (the post-step gather is in place).
 
         (core/comm.py's ordered reduction allocates its receive buffers inside each call and
         drops them when the call completes; they are not listed.)
         """
-        return [t for reduction in self.reductions.values() for t in reduction.transient] + self.gather_inputs
+        return [t for reduction in self.reductions.values() for t in reduction.transient]
 
     # 7. checkpoint hook ------------------------------------------------------------------
     def load_flat_params(self, flats: list[torch.Tensor]) -> None:

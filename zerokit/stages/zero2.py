@@ -70,7 +70,6 @@ from torch import nn
 
 from zerokit.checkpoint import Checkpointing
 from zerokit.core.bucketing import InFlight
-from zerokit.core.comm import free_storage
 from zerokit.core.config import ShardConfig
 from zerokit.core.engine import Engine
 from zerokit.core.flat_param import FlatParamLayout, broadcast_module_state, build_flat_params, check_module
@@ -124,7 +123,6 @@ class Zero2Engine(Checkpointing, Engine):
         del fp32_values
         self.in_flight = InFlight()
         self.reductions: dict[int, GradReduction] = {}  # bucket -> its reduce-scatter, until it completes
-        self.gather_inputs: list[torch.Tensor] = []  # (shard_numel,) clones, while all_gather_params runs
         self.tracker = GradReadyTracker(self.flat_params, self._on_bucket_ready, self._on_backward_end,
                                         on_first_grad=self._on_first_grad)
 
@@ -209,19 +207,12 @@ class Zero2Engine(Checkpointing, Engine):
         """Bring every rank's updated param shard back into the full flat buffers, in place."""
         if self.world_size == 1:
             return  # the shard is the whole buffer and was updated in place
-        # The all-gather's input must not alias its output, and this rank's param shard is a
-        # view into the output. The cheapest distinct input is a clone of that shard in the
-        # param dtype (reads and writes shard_numel * p bytes); re-casting the fp32 master
-        # under mixed precision would read twice as many bytes for the same result. The
-        # clones live until every gather completes: Ψ·p/N transient bytes.
-        inputs = self.gather_inputs  # listed by comm_buffer_tensors() while they are alive
-        inputs.extend(fp.shard_of(self.flat_data[fp.index]).clone() for fp in self.trainable)  # (shard_numel,)
-        # One coalesced collective for every bucket: one round of latency, not one per bucket.
-        self.comm.all_gather_many([self.flat_data[fp.index] for fp in self.trainable], inputs, phase="step",
+        # Each input is this rank's own range of its output: an in-place gather, no copy of the shard
+        # (core/comm.py [Note: in-place gathers]). One coalesced collective for every bucket: one round
+        # of latency, not one per bucket.
+        self.comm.all_gather_many([self.flat_data[fp.index] for fp in self.trainable],
+                                  [fp.shard_of(self.flat_data[fp.index]) for fp in self.trainable], phase="step",
                                   labels=[f"updated params of {fp.label}" for fp in self.trainable]).wait()
-        for clone in inputs:  # freed here, not whenever the Work lets go: core/comm.py [Note: frees at a fixed point]
-            free_storage(clone)
-        inputs.clear()
 
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -259,12 +250,13 @@ class Zero2Engine(Checkpointing, Engine):
         }
 
     def comm_buffer_tensors(self) -> list[torch.Tensor]:
-        """Buffers alive only to communicate: reduce-scatter inputs and outputs in flight, all-gather input clones.
+        """Buffers alive only to communicate: reduce-scatter inputs and outputs in flight (the post-step gather is
+        in place).
 
         (core/comm.py's ordered reduction allocates its receive buffers inside each call and
         drops them when the call completes; they are not listed.)
         """
-        return [t for reduction in self.reductions.values() for t in reduction.transient] + self.gather_inputs
+        return [t for reduction in self.reductions.values() for t in reduction.transient]
 
     # 7. checkpoint hook ------------------------------------------------------------------
     def load_flat_params(self, flats: list[torch.Tensor]) -> None:

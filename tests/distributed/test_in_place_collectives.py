@@ -1,17 +1,21 @@
-"""The ordered reduce-scatter at 2 ranks exchanges halves (core/comm.py `Comm._exchange_halves`).
+"""Collectives that avoid copies: the ordered reduce-scatter at 2 ranks exchanges halves (core/comm.py
+`Comm._exchange_halves`), and an all-gather may take this rank's own row of its output as its input
+(core/comm.py [Note: in-place gathers]).
 
 One spawn of 2 gloo ranks. For each dtype and comm (rank order, tree), a reduce-scatter in place (the
 output is this rank's half of the input, as at stage 1) and one into an output of its own (stages 2
 and 3) are checked bit for bit against the N-row recipe used at 3+ ranks and against the sum computed
 from both ranks' inputs; the all-to-all is watched: it sends only the peer's half, receives into a
 buffer of the output's size (the N-row recipe's is the input's), and that buffer's storage is freed
-by the time wait() returns.
+by the time wait() returns. In-place gathers, every path (one output: broadcasts on gloo; several:
+coalesced, or not; simulated), give the rows a gather of separate inputs gives; an input that overlaps
+its output anywhere else is refused before anything is issued.
 """
 import pytest
 import torch
 import torch.distributed as dist
 
-from zerokit.core.comm import Comm
+from zerokit.core.comm import Comm, Simulated
 from zerokit.launch import run_ranks
 
 
@@ -53,7 +57,43 @@ def _cases(rank, world_size):
                 peer_half_untouched=torch.equal(in_place.view(2, -1)[1 - rank], local.view(2, -1)[1 - rank]),
                 sent=[n for _, n in seen], received_numel=[t.numel() for t, _ in seen],
                 received_bytes_after=[t.untyped_storage().nbytes() for t, _ in seen])
+    out["gathers"] = _in_place_gathers(rank, world_size)
     return out
+
+
+def _in_place_gathers(rank, world_size):
+    comm = Comm()
+    sizes = (6, 1000, 4)
+    expected = [torch.cat([torch.arange(k, dtype=torch.float32) + 100 * r for r in range(world_size)]) for k in sizes]
+
+    def outputs_with_own_rows():
+        outs = [torch.full((world_size * k,), float("nan")) for k in sizes]
+        for out, k in zip(outs, sizes):
+            out.view(world_size, -1)[rank].copy_(torch.arange(k, dtype=torch.float32) + 100 * rank)
+        return outs, [out.view(world_size, -1)[rank] for out in outs]
+
+    right = {}
+    outs, rows = outputs_with_own_rows()
+    comm.all_gather(outs[0], rows[0])
+    right["one"] = torch.equal(outs[0], expected[0])
+    for coalesce in (True, False):
+        outs, rows = outputs_with_own_rows()
+        comm.all_gather_many(outs, rows, coalesce=coalesce).wait()
+        right[f"many, coalesce={coalesce}"] = all(torch.equal(o, e) for o, e in zip(outs, expected))
+    simulated = Comm(simulate=Simulated(rank=1, world_size=4))
+    flat = torch.zeros(8)
+    flat.view(4, -1)[1].copy_(torch.tensor([1.0, 2.0]))
+    simulated.all_gather(flat, flat.view(4, -1)[1])
+    right["simulated"] = torch.equal(flat, torch.tensor([1.0, 2.0] * 4))
+    refused = []
+    out = torch.zeros(2 * world_size)
+    for wrong in (out.view(world_size, -1)[1 - rank], out[1:3]):  # the peer's row; straddling two rows
+        try:
+            comm.all_gather(out, wrong)
+            refused.append(None)
+        except ValueError as exc:
+            refused.append(str(exc))
+    return dict(right=right, refused=refused)
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +103,20 @@ def results(tmp_path_factory):
 
 def test_two_ranks_exchange_halves_and_get_the_sums_bits(results):
     for rank, out in enumerate(results):
-        assert len(out) == 6
-        for case, r in out.items():
+        cases = {case: r for case, r in out.items() if case != "gathers"}
+        assert len(cases) == 6
+        for case, r in cases.items():
             assert r["right"] == [True, True, True], (rank, case, r["right"])
             assert r["peer_half_untouched"], (rank, case)
             assert r["sent"] == [1537, 1537], (rank, case, r["sent"])  # the peer's half only, not the (B,) input
             assert r["received_numel"] == [1537, 1537], (rank, case)  # (B/2,), not the N-row recipe's (B,)
             assert r["received_bytes_after"] == [0, 0], (rank, case)  # freed by the time wait() returned
+
+
+def test_a_gather_takes_its_own_row_as_input_and_refuses_any_other_overlap(results):
+    for rank, out in enumerate(results):
+        gathers = out["gathers"]
+        assert gathers["right"] == {"one": True, "many, coalesce=True": True, "many, coalesce=False": True,
+                                    "simulated": True}, (rank, gathers["right"])
+        assert len(gathers["refused"]) == 2 and all(gathers["refused"]), (rank, gathers["refused"])
+        assert all("this rank's own row" in msg for msg in gathers["refused"]), gathers["refused"]
