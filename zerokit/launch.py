@@ -62,6 +62,19 @@ Ctrl-C belongs to the parent: ranks ignore SIGINT (a terminal sends it to the wh
 process group) and the parent stops them with SIGTERM, which each rank turns into one
 exception, so it unwinds through the same teardown. A rank still running after
 STOP_GRACE_S is killed.
+
+[Note: orphaned ranks]
+All of that needs the caller alive. A caller killed outright (SIGKILL, an OOM kill, SIGTERM to a
+script without a handler, a closed terminal) runs no `finally`, and nothing else stopped its
+ranks: they ran on to the end of fn, or for ever inside a collective, taking the CPU from whatever
+ran next (a benchmark rerun after one was killed measured every step at twice its time). Forked
+ranks are the forkserver's children, not the caller's, and the forkserver does not exit with the
+caller while they live (each rank holds the pipe whose closing would tell it), so the kernel's
+parent-death signal does not reach them. Every rank therefore watches the caller itself: a
+daemon thread waits on a pidfd of the caller's process (`os.pidfd_open`, Linux 5.3+; elsewhere
+it polls the pid twice a second) and, when the caller exits, kills its own rank with SIGKILL: with
+the caller gone nobody can read a result, and a rank blocked inside a collective could run no
+Python teardown anyway. A caller already gone when the rank starts is caught by the same wait.
 """
 from __future__ import annotations
 
@@ -71,8 +84,10 @@ import os
 import sys
 import pickle
 import queue as queue_module
+import select
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -144,9 +159,42 @@ def _is_open(fd: int) -> bool:
         return False
 
 
+def _die_with_caller(caller_pid: int) -> None:
+    """[Note: orphaned ranks]: a daemon thread that SIGKILLs this rank once the caller's process has exited."""
+    try:
+        pidfd = os.pidfd_open(caller_pid)
+    except ProcessLookupError:
+        os._exit(1)  # the caller is already gone
+    except (AttributeError, OSError):  # no pidfd here (not Linux, an old kernel): poll the pid
+        pidfd = None
+
+    def watch() -> None:
+        if pidfd is not None:
+            select.select([pidfd], [], [])  # readable once the process has exited
+        else:
+            while _alive(caller_pid):
+                time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="zerokit-caller-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
 def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s: float, threads: int,
-            fn: Callable, args: tuple, results, env: dict[str, str], stdio: tuple[int | None, ...]) -> None:
-    # See [Note: process-group teardown], [Note: Ctrl-C], [Note: starting ranks], [Note: stacks of a stuck rank].
+            fn: Callable, args: tuple, results, env: dict[str, str], stdio: tuple[int | None, ...],
+            caller_pid: int) -> None:
+    # See [Note: process-group teardown], [Note: Ctrl-C], [Note: starting ranks], [Note: stacks of a stuck rank],
+    # [Note: orphaned ranks].
+    _die_with_caller(caller_pid)
     for target, fd in zip((1, 2), stdio):  # the caller's stdout and stderr now, not the forkserver's
         if fd is not None:
             os.dup2(fd, target)
@@ -223,7 +271,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
         sys.stderr.flush()
         stdio = tuple(_CallerFd(fd) if _is_open(fd) else None for fd in (1, 2))
         procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, backend, pg_timeout_s, threads, fn,
-                                                   args, results, env, stdio), daemon=True)
+                                                   args, results, env, stdio, os.getpid()), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -246,3 +246,46 @@ def _line_of(name: str) -> int:
     import inspect
     lines, start = inspect.getsourcelines(globals()[name])
     return start + next(i for i, line in enumerate(lines) if "time.sleep(0.05)" in line)
+
+
+def _write_pid_and_wait(rank, world_size, folder):
+    from pathlib import Path
+    Path(folder, f"rank{rank}.pid").write_text(str(os.getpid()))
+    while True:
+        time.sleep(0.05)
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie (dead, waiting for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("start", ["forkserver", "spawn"])
+def test_ranks_die_with_a_caller_killed_outright(tmp_path, start):
+    """[Note: orphaned ranks]: SIGKILL the process that called run_ranks while its ranks run; they do not outlive it."""
+    script = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+              "from test_exits import _write_pid_and_wait\n"
+              "from zerokit.launch import run_ranks\n"
+              f"run_ranks(_write_pid_and_wait, 2, {str(tmp_path)!r}, timeout_s=600)\n")
+    env = dict(os.environ, ZEROKIT_START=start)
+    caller = subprocess.Popen([sys.executable, "-c", script], env=env)
+    pid_files = [tmp_path / f"rank{r}.pid" for r in range(2)]
+    deadline = time.monotonic() + 60
+    while not all(f.exists() and f.read_text() for f in pid_files):
+        assert caller.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.1)
+    pids = [int(f.read_text()) for f in pid_files]
+    caller.kill()
+    caller.wait()
+    deadline = time.monotonic() + 10
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in pids if not _gone(pid)]
+    for pid in left:  # leave nothing behind, then fail
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their caller"
