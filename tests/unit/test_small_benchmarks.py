@@ -1,5 +1,5 @@
-"""benchmarks/gather_cost.py, reduce_scatter_cost.py, stage0_phases.py and stage1_phases.py: a short run writes complete
-records and tables."""
+"""benchmarks/gather_cost.py, reduce_scatter_cost.py, stage0_phases.py, stage1_phases.py and sweep.py: a short run writes
+complete records and tables."""
 import json
 import sys
 from pathlib import Path
@@ -14,6 +14,7 @@ import gather_cost  # noqa: E402
 import reduce_scatter_cost  # noqa: E402
 import stage0_phases  # noqa: E402
 import stage1_phases  # noqa: E402
+import sweep  # noqa: E402
 
 PROVENANCE = {"command", "date", "commit", "machine", "versions"}
 
@@ -114,3 +115,30 @@ def test_stage1_phases_times_stage1_beside_zero_redundancy_optimizer(tmp_path):
     assert "| whole step ms | whole / ZeroRedundancyOptimizer's |" in md
     assert all(row["whole_ms"] > 0 for row in rows.values())
     assert f"| {zk_row['total_ms'] / zero['total_ms']:.2f} |" in md
+
+
+@pytest.mark.timeout(180)
+def test_sweep_records_time_ledger_and_allocator_bytes_per_stage(tmp_path):
+    """The smallest size at N = 1 and 2: a row per (N, stage) with a step time, the ledger's bytes and the allocator
+    pass's; after a step the allocator holds the model states (within 1 KiB of scalars the ledger leaves out); at
+    N = 2 the stages' model states follow fp32 AdamW's 16, 8+8/N, 4+12/N, 16/N bytes per parameter, and stage 3 peaks
+    lowest."""
+    argv = ["--sizes", "1", "--world-sizes", "1", "2", "--steps", "1", "--warmup", "1", "--out", str(tmp_path / "sw")]
+    assert sweep.main(argv) == 0
+    record = json.loads((tmp_path / "sw.json").read_text())
+    md = (tmp_path / "sw.md").read_text()
+    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/sweep.py " + " ".join(argv)
+    rows = {(r["world_size"], r["stage"]): r for r in record["rows"]}
+    assert sorted(rows) == [(n, s) for n in (1, 2) for s in sweep.STAGES]
+    for row in rows.values():
+        assert row["step_ms"] > 0 and row["activations"] > 0
+        assert row["total"] == row["model_states"] + row["activations"]
+        assert 0 <= row["after"] - row["model_states"] < 1024, row
+        assert row["peak"] > row["after"], row
+    psi = rows[(1, 0)]["params"]
+    assert [rows[(1, s)]["model_states"] for s in sweep.STAGES] == [16 * psi] * 4
+    per_param = [rows[(2, s)]["model_states"] / psi for s in sweep.STAGES]
+    assert per_param == pytest.approx([16, 8 + 8 / 2, 4 + 12 / 2, 16 / 2], rel=0.01)  # shards padded to N
+    assert min(sweep.STAGES, key=lambda s: rows[(2, s)]["peak"]) == 3
+    assert "| allocator peak MiB | live after the step MiB | peak vs stage 0 |" in md and record["commit"] in md
+    assert (tmp_path / "sw.png").stat().st_size > 0
