@@ -16,7 +16,9 @@ records, on every rank:
   + 1 more steps under torch.profiler, with c10's counter made to see every thread (gloo's too),
   as benchmarks/speed_vs_torch.py's allocator pass does: the most bytes live inside the measured
   step and those live after it, both counted from just before the build (so the model's own
-  weights count, as on a GPU they would). `--memory-warmup 0` leaves this pass out.
+  weights count, as on a GPU they would), for the sizes in `--memory-sizes` (default all but
+  the 50M one, whose profiler pass alone takes about 3.7 GB per rank); `--memory-warmup 0` leaves
+  it out.
 
 Model sizes are GPTs of 4-12 layers and widths 128-768 (see SIZES); their exact parameter counts
 are in the results. Writes benchmarks/results/sweep.json, sweep.md and sweep.png (step time and
@@ -25,6 +27,7 @@ bytes against parameters, one line per stage, one column per world size).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -92,11 +95,13 @@ def sweep_rank(rank: int, world_size: int, cfg: dict) -> dict:
                                   "model_states": sum(states[c] for c in MODEL_STATES),
                                   "activations": meter.saved_peak_bytes}
             del engine, model
-            if cfg["memory_warmup"] > 0:
+            gc.collect()  # hooks make cycles: free this engine before the next one is built
+            if cfg["memory_warmup"] > 0 and size in cfg["memory_sizes"]:
                 alloc = S._allocator_steps({**cfg, "block_size": BLOCK, "memory_steps": 1}, rank, world_size,
                                            torch.device("cpu"), lambda: _allocator_loop(size, stage))
                 out[(size, stage)].update(peak=alloc["peak_step_bytes"][0], after=alloc["between_steps_bytes"][-1],
                                           allocator=alloc["method"])
+                gc.collect()
     return out
 
 
@@ -131,14 +136,12 @@ def plot(rows: list[dict], path: Path) -> None:
                          if r["world_size"] == n and r["stage"] == stage)
             xs = [p[0] for p in pts]
             line, = axes[0][j].plot(xs, [p[1] for p in pts], marker="o", label=f"stage {stage}")
-            if all(p[3] is not None for p in pts):
-                axes[1][j].plot(xs, [p[3] / 2**20 for p in pts], marker="o", color=line.get_color(),
-                                label=f"stage {stage}, allocator peak")
-                axes[1][j].plot(xs, [p[2] for p in pts], linestyle="--", color=line.get_color(),
-                                label=f"stage {stage}, ledger")
-            else:
-                axes[1][j].plot(xs, [p[2] for p in pts], marker="o", color=line.get_color(),
-                                label=f"stage {stage}, ledger")
+            measured = [p for p in pts if p[3] is not None]  # the sizes the allocator pass ran at
+            if measured:
+                axes[1][j].plot([p[0] for p in measured], [p[3] / 2**20 for p in measured], marker="o",
+                                color=line.get_color(), label=f"stage {stage}, allocator peak")
+            axes[1][j].plot(xs, [p[2] for p in pts], linestyle="--", marker=".", color=line.get_color(),
+                            label=f"stage {stage}, ledger")
         axes[0][j].set_title(f"N = {n}")
         for i, ylabel in enumerate(("step ms (slowest rank, median)",
                                     "MiB per rank: allocator peak in a step;\nledger (model states + activations)")):
@@ -165,13 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="steps before measuring")
     p.add_argument("--memory-warmup", type=int, default=1,
                    help="steps before the allocator pass's measured step (0: no allocator pass)")
+    p.add_argument("--memory-sizes", type=int, nargs="+", default=[1, 4, 15], choices=sorted(SIZES),
+                   help="sizes that get the allocator pass (default 1 4 15: at 50 the profiler's own memory, about "
+                        "3.7 GB per rank at N = 1, puts 4 ranks past a 24 GiB machine)")
     p.add_argument("--timeout", type=float, default=3600, help="deadline for each spawn (s)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "sweep",
                    help="results path without extension (.json, .md and .png are written)")
     args = p.parse_args(argv)
     record = provenance(command_line(__file__, argv))
     cfg = {"sizes": args.sizes, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
-           "memory_warmup": args.memory_warmup}
+           "memory_warmup": args.memory_warmup, "memory_sizes": args.memory_sizes}
     start = time.perf_counter()
     runs = {n: run_ranks(sweep_rank, n, cfg, timeout_s=args.timeout) for n in args.world_sizes}
     rows = summarize(runs, cfg)
@@ -188,14 +194,15 @@ def main(argv: list[str] | None = None) -> int:
 def _markdown(r: dict) -> str:
     c = r["config"]
     mib = 2 ** 20
-    alloc = all(x.get("peak") is not None for x in r["rows"])
+    alloc = c["memory_warmup"] > 0 and any(x.get("peak") is not None for x in r["rows"])
     lines = ["# Step time and per-rank bytes over model size and world size", "", *provenance_lines(r),
              f"- fp32, AdamW, clip 1.0, {c['batch_size']} x {BLOCK} tokens per rank per step, stage 3 wrapping every "
              f"Block; median of {c['steps']} steps after {c['warmup']}, a step at its slowest rank; gloo ranks "
              f"sharing 2 CPU cores ({r['seconds']:.0f} s in all)",
              "- ledger: model states after a step (`engine.memory()`) + the most bytes autograd saved in a step"]
     if alloc:
-        lines.append(f"- allocator: a fresh engine, {c['memory_warmup']} step(s), then one measured step under "
+        lines.append(f"- allocator (sizes {', '.join(f'{s}M' for s in c['memory_sizes'])} nominal; '-' where it did "
+                     f"not run): a fresh engine, {c['memory_warmup']} step(s), then one measured step under "
                      "torch.profiler with every thread's allocations counted (speed_vs_torch.py's allocator pass); "
                      "bytes from just before the engine was built, the largest rank's")
     head = "| N | params | stage | step ms | model states MiB | activations MiB | ledger sum MiB |"
@@ -207,18 +214,25 @@ def _markdown(r: dict) -> str:
         head += " sum vs stage 0 |"
         rule += "---:|"
     lines += ["", head, rule]
-    key = "peak" if alloc else "total"
-    base = {(x["world_size"], x["size"]): x[key] for x in r["rows"] if x["stage"] == 0}
+    stage0 = {(x["world_size"], x["size"]): x for x in r["rows"] if x["stage"] == 0}
     for x in r["rows"]:
         line = (f"| {x['world_size']} | {x['params'] / 1e6:.1f}M | {x['stage']} | {x['step_ms']:.0f} | "
                 f"{x['model_states'] / mib:.1f} | {x['activations'] / mib:.1f} | {x['total'] / mib:.1f} |")
-        if alloc:
-            line += f" {x['peak'] / mib:.1f} | {x['after'] / mib:.1f} |"
-        lines.append(line + f" {x[key] / base[(x['world_size'], x['size'])]:.2f} |")
+        base = stage0[(x["world_size"], x["size"])]
+        if not alloc:
+            line += f" {x['total'] / base['total']:.2f} |"
+        elif x.get("peak") is None:
+            line += " - | - | - |"
+        else:
+            line += f" {x['peak'] / mib:.1f} | {x['after'] / mib:.1f} | {x['peak'] / base['peak']:.2f} |"
+        lines.append(line)
     lines += ["", "Picture: `sweep.png` beside this file. Step times on 2 shared cores grow with N because the N "
               "ranks share the cores (compute per rank is fixed); compare stages within a column. The allocator "
               "peak adds to the ledger what the ledger leaves out: temporaries (the loss's logits, the "
-              "optimizer's foreach intermediates, collective buffers) and, at stage 3, the gathered units."]
+              "optimizer's foreach intermediates, collective buffers), stage 2's full-size gradient of each bucket "
+              "in flight beside its shard, stage 3's gathered units; and it is lower where the ledger counts "
+              "something the step does not hold at its peak (stage 3's grad shards, freed by zero_grad and "
+              "rebuilt in backward)."]
     return "\n".join(lines) + "\n"
 
 
