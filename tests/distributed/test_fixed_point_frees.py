@@ -8,6 +8,8 @@ is right. On the old code each check fails deterministically: the captured tenso
 until its last reference went. The same spawn checks where the ordered all-reduce's all-gather
 halves go in a rank's sequence of collectives: after the step's last all-to-all, together.
 """
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -91,6 +93,53 @@ def _cases(rank, world_size):
                                   [i.data_ptr() == o.view(world_size, -1)[rank].data_ptr() for o, i in pairs])
     out["sequences"] = _all_reduce_sequences(rank, world_size)
     out["gathers"] = _gather_allocations(rank, world_size)
+    out["arrived"] = _finishing_what_has_arrived(rank, world_size)
+    return out
+
+
+def _train_one_step(stage: int, rank: int, world_size: int, force_arrival: bool):
+    """One step of the odd model at `stage` (small buckets: several reduce-scatters in backward); with
+    `force_arrival`, each finish_arrived first waits until every queued reduce-scatter has completed, so that
+    it finds them all arrived. Returns (the params after the step, each reduce-scatter's count of earlier
+    receive buffers still holding bytes when it was issued)."""
+    engine = zk.shard(odd_model(), torch.optim.AdamW, stage=stage, lr=1e-2, bucket_numel=64,
+                      wrap=(OddBlock,) if stage == 3 else None, ordered_reduction=True)
+    if force_arrival:
+        in_flight, finish_arrived = engine.in_flight, engine.in_flight.finish_arrived
+
+        def wait_then_finish():
+            deadline = time.monotonic() + 10
+            while not all(r.arrived() for r, _ in in_flight._queue) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            finish_arrived()
+
+        in_flight.finish_arrived = wait_then_finish
+    received, alive = [], []
+    original = dist.all_to_all_single
+
+    def counting(output, *args, **kwargs):
+        alive.append(sum(_nbytes(t) > 0 for t in received))
+        received.append(output)
+        return original(output, *args, **kwargs)
+
+    dist.all_to_all_single = counting
+    try:
+        x, y = odd_batch(0, 3, rank, world_size)
+        engine.backward(engine(x, y))
+        engine.step()
+    finally:
+        dist.all_to_all_single = original
+    return torch.cat([t.reshape(-1) for t in engine.state_dict(full=True).values()]), alive
+
+
+def _finishing_what_has_arrived(rank, world_size):
+    """core/comm.py [Note: finishing what has arrived], stages 1-3: (bitwise the same params as without
+    forcing, the live-buffer counts)."""
+    out = {}
+    for stage in (1, 2, 3):
+        forced, alive = _train_one_step(stage, rank, world_size, force_arrival=True)
+        plain, _ = _train_one_step(stage, rank, world_size, force_arrival=False)
+        out[stage] = (torch.equal(forced, plain), alive)
     return out
 
 
@@ -209,10 +258,23 @@ def results(tmp_path_factory):
 
 def test_temporaries_are_freed_when_their_collective_completes(results):
     for rank, out in enumerate(results):
-        for case, (correct, nbytes) in ((c, v) for c, v in out.items() if c not in ("sequences", "gathers", "in_place")):
+        for case, (correct, nbytes) in ((c, v) for c, v in out.items()
+                                        if c not in ("sequences", "gathers", "in_place", "arrived")):
             assert correct, (rank, case)
             assert nbytes, (rank, case, "nothing captured")
             assert nbytes == [0] * len(nbytes), (rank, case, nbytes)
+
+
+def test_a_completed_reduce_scatter_frees_its_buffer_before_the_next_is_issued(results):
+    """core/comm.py [Note: finishing what has arrived]: with every earlier reduce-scatter completed, none of
+    their receive buffers is alive when the next is issued, at stages 1-3 (stage 1 used to keep them all to the
+    end of backward; the old code fails here); the parameters after the step are bitwise those of a run where
+    the finishes happen whenever they happen."""
+    for rank, out in enumerate(results):
+        assert sorted(out["arrived"]) == [1, 2, 3]
+        for stage, (same_bits, alive) in out["arrived"].items():
+            assert same_bits, (rank, stage)
+            assert len(alive) > 2 and alive == [0] * len(alive), (rank, stage, alive)
 
 
 def test_stages_1_and_2_gather_their_updated_shards_in_place(results):

@@ -105,3 +105,10 @@ class InFlight:
 
     def wait_all(self) -> None:
         self.wait_until(0)
+
+    def finish_arrived(self) -> None:
+        """Finish, oldest first, the collectives that have completed, up to the first that has not, so
+        that their temporaries go now (core/comm.py [Note: finishing what has arrived]). Local work
+        only: where it happens may differ between ranks."""
+        while self._queue and self._queue[0][0].arrived():
+            self.wait_oldest()

@@ -88,6 +88,19 @@ nothing, and take 0.73-1.01x its time at 2, 4 and 8 ranks. A coalesced
 gather (several outputs in one round of latency) stays one collective; on NCCL, which receives in
 place, every gather stays an all-gather.
 
+[Note: finishing what has arrived]
+An asynchronous reduce-scatter's temporaries (the ordered recipes' receive buffer, the native
+in-place path's result) live until its wait(), and so, at stages 2 and 3, does the bucket's
+full-size gradient, released once the owners have its content. Stage 1 waits for its buckets at
+the end of backward, so every receive buffer of the step was alive there at once: half the
+gradient at 2 ranks (benchmarks/sweep.py, 14.3M parameters, N = 2: stage 1's allocator peak 32.7
+MiB above its ledger). Before a stage issues its next reduce-scatter it therefore finishes, oldest
+first, those that have already completed (`Handle.arrived`, `InFlight.finish_arrived`): the same
+sum into the same output, so the same bits, only sooner. Whether one has completed by then
+differs between ranks, so only a finish that is local work may run there: a hybrid reduce-scatter,
+whose finish crosses nodes with collectives of its own, and an ordered all-reduce's second half
+(its wait issues the all-gathers) report not arrived until waited for in order.
+
 [Note: in-place gathers]
 An all-gather's input may be this rank's own row of its output (`output.view(N, -1)[rank]`), as
 stages 1 and 2 gather their updated shards after the step: the shard is already where the gather
@@ -159,15 +172,21 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 class Handle:
     """An in-flight collective. `wait()` blocks the CPU until the result is usable."""
 
-    def __init__(self, work=None, finish=None, comm: "Comm | None" = None):
+    def __init__(self, work=None, finish=None, comm: "Comm | None" = None, local: bool = True):
         self._work = work  # torch.distributed Work, or None when already complete
-        self._finish = finish  # local step run after the communication (ordered sum)
+        self._finish = finish  # step run after the communication (ordered sum, copy out, free)
         self._comm = comm  # whose recorder a failure reports
+        self.local = local  # False: `finish` issues collectives of its own (core/hybrid.py)
         self.done = False
 
     def completed(self) -> bool:
         """True once wait() would not block on communication."""
         return self.done or self._work is None or self._work.is_completed()
+
+    def arrived(self) -> bool:
+        """True when wait() would neither block nor issue a collective, so it may run at a point that
+        differs between ranks: [Note: finishing what has arrived]."""
+        return self.done or (self.local and self.completed())
 
     def wait(self) -> None:
         if self.done:
@@ -197,6 +216,9 @@ class _SecondHalf(Handle):
         if not self.issued:
             self._comm._issue_second_halves()
         super().wait()
+
+    def arrived(self) -> bool:
+        return self.done  # its wait() issues the all-gathers: only where every rank issues them
 
 
 def free_storage(t: torch.Tensor) -> None:

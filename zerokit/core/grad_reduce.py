@@ -103,6 +103,10 @@ class GradReduction:
         self._handle = self.comm.reduce_scatter(out, self.send, async_op=True, phase=phase, label=self.label)
         return self
 
+    def arrived(self) -> bool:
+        """wait() would neither block nor issue a collective (core/comm.py [Note: finishing what has arrived])."""
+        return self._handle is not None and self._handle.arrived()
+
     def wait(self) -> None:
         """Block until the average is in place; release the temporaries the result does not live in."""
         self._handle.wait()

@@ -208,7 +208,8 @@ class HybridComm(Comm):
                     free_storage(result)  # core/comm.py [Note: frees at a fixed point]
                 else:
                     work = dist.reduce_scatter_single(output, input, group=self.group, async_op=True)
-                handle = Handle(work, lambda: dist.all_reduce(output, group=self.replicate.group), comm=self)
+                handle = Handle(work, lambda: dist.all_reduce(output, group=self.replicate.group), comm=self,
+                                local=False)  # its finish is a collective: never run early
             else:
                 rows, work = self._node_rows(input)
 
@@ -216,7 +217,7 @@ class HybridComm(Comm):
                     (self._tree_across if self.tree else self._chain_across)(output, rows)
                     free_storage(rows)  # the receive buffer: core/comm.py [Note: frees at a fixed point]
 
-                handle = Handle(work, finish, comm=self)
+                handle = Handle(work, finish, comm=self, local=False)  # the chain across nodes is collectives
         if not async_op:
             handle.wait()
         return handle

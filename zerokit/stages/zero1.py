@@ -187,6 +187,8 @@ class Zero1Engine(Checkpointing, Engine):
         self.grad_shard_written[fp.index] = True
         # Divided by N (and cast) exactly as stage 0 does, so the sums agree bit for bit. Without a
         # reduce-dtype copy the output is this rank's range of the bucket itself (comm handles the aliasing).
+        self.in_flight.finish_arrived()  # completed ones free their buffers first (core/comm.py
+        # [Note: finishing what has arrived])
         reduction = self.reductions[fp.index] = self.grad_reduction(fp, self.flat_grads[fp.index])
         reduction.reduce_scatter(self.grad_shards[fp.index])
         self.in_flight.push(reduction, lambda index=fp.index: self.reductions.pop(index))

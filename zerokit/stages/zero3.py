@@ -311,6 +311,8 @@ class Zero3Engine(Checkpointing, Engine):
         Divided by N (and cast) exactly as stage 0 does, so the sums agree bit for bit; added to
         the grad shard when an earlier backward since zero_grad wrote it (as torch's .grad accumulates).
         """
+        self.in_flight.finish_arrived()  # completed ones free their buffers first (core/comm.py
+        # [Note: finishing what has arrived])
         reduction = self.reductions[fp.index] = self.grad_reduction(fp, self.flat_grads[fp.index])
         reduction.reduce_scatter(self.grad_shard(fp), accumulate=self.grad_shard_written[fp.index])
         self.grad_shard_written[fp.index] = True
