@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import zerokit as zk
 from common import OddBlock, odd_batch, odd_model
+import zerokit.core.comm as comm_module
 from zerokit.core.comm import Comm
 from zerokit.core.grad_reduce import GradReduction
 from zerokit.launch import run_ranks
@@ -165,8 +166,9 @@ def _allocations(fn) -> list[tuple[int, str]]:
 
 
 def _gather_allocations(rank, world_size):
-    """core/comm.py [Note: gloo's all-gather temporary]: a gather that is not coalesced allocates nothing on
-    gloo, however it is called (one output, several, in place, any float dtype), and gathers the right rows."""
+    """core/comm.py [Note: gloo's all-gather temporary]: a gather that is not coalesced, or coalesced but
+    larger than GLOO_COALESCE_NUMEL, allocates nothing on gloo, however it is called (one output, several, in
+    place, any float dtype), and gathers the right rows."""
     comm = Comm()
     out = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -181,9 +183,16 @@ def _gather_allocations(rank, world_size):
         outputs = [torch.empty(world_size * k, dtype=dtype) for k in (700, 1500)]
         inputs = [torch.full((k,), float(rank), dtype=dtype) for k in (700, 1500)]
         seen += _allocations(lambda: comm.all_gather_many(outputs, inputs, coalesce=False).wait())
+        # coalesced, each output above the group limit: broadcasts too (the limit made small for the test)
+        limit, comm_module.GLOO_COALESCE_NUMEL = comm_module.GLOO_COALESCE_NUMEL, 1000
+        try:
+            big = [torch.empty(world_size * k, dtype=dtype) for k in (700, 1500)]
+            seen += _allocations(lambda: comm.all_gather_many(big, inputs, coalesce=True).wait())
+        finally:
+            comm_module.GLOO_COALESCE_NUMEL = limit
         right = (torch.equal(full, expected) and torch.equal(in_place, expected)
                  and all(torch.equal(o, torch.arange(world_size, dtype=dtype).repeat_interleave(o.numel() // world_size))
-                         for o in outputs))
+                         for o in outputs + big))
         row_bytes = 700 * shard.element_size()  # the smallest row; TORCH_DISTRIBUTED_DEBUG=DETAIL's checks allocate less
         out[str(dtype)] = (right, [(n, op) for n, op in seen if n >= row_bytes])
     # stage 3's units in forward and backward, prefetching

@@ -182,3 +182,18 @@ def test_freed_gradient_buffers_are_really_freed(stage):
             h.remove()
         gc.collect()
         assert refs and all(r() is None for r in refs), sum(r() is not None for r in refs)
+
+
+@given(st.lists(st.integers(1, 50), min_size=0, max_size=30), st.integers(0, 120))
+def test_gloo_gathers_coalesce_in_consecutive_groups_under_the_limit(numels, limit):
+    """core/comm.py [Note: gloo's all-gather temporary]: every output in exactly one group, in order; a group of
+    two or more holds at most `limit` elements; a group closes only when the next output would not fit."""
+    from zerokit.core.comm import _coalesce_groups
+
+    groups = _coalesce_groups(numels, limit)
+    assert [i for g in groups for i in g] == list(range(len(numels)))
+    for g, nxt in zip(groups, groups[1:] + [None]):
+        total = sum(numels[i] for i in g)
+        assert len(g) == 1 or total <= limit
+        if nxt is not None:
+            assert total + numels[nxt[0]] > limit

@@ -84,9 +84,15 @@ FSDP2's 17.75). So on gloo an all-gather that is not coalesced is N broadcasts, 
 of the output, all issued at once: each in place, nothing allocated, the same rows moved to the
 same ranks, the same bits (copies, no arithmetic). benchmarks/gather_cost.py measures the two side
 by side (results/gather_cost.md): torch's allocates twice the output while the broadcasts allocate
-nothing, and take 0.73-1.01x its time at 2, 4 and 8 ranks. A coalesced
-gather (several outputs in one round of latency) stays one collective; on NCCL, which receives in
-place, every gather stays an all-gather.
+nothing, and take 0.73-1.01x its time at 2, 4 and 8 ranks. A coalesced gather (several outputs
+in one round of latency, which small buckets need: 10 of 46k floats at 2 ranks took 9-11 ms one by
+one, 4-7 ms coalesced) pays gloo's temporaries for all of them at once: the concatenated inputs and
+one buffer of every output's size, Ψp(1 + 1/N) for stages 1-2's gather of the updated parameters,
+which made that gather their step's peak (benchmarks/sweep.py, 14.3M parameters: stage 1's peak
+minus its model states was exactly that, 81.6 MiB at N = 2, 68.0 at N = 4). So on gloo outputs are
+coalesced only in consecutive groups of at most GLOO_COALESCE_NUMEL elements, where latency is what
+a gather costs; an output that would be a group on its own goes out as broadcasts. On NCCL, which
+receives in place, every gather stays an all-gather.
 
 [Note: finishing what has arrived]
 An asynchronous reduce-scatter's temporaries (the ordered recipes' receive buffer, the native
@@ -169,6 +175,7 @@ if dist.is_available():
     import torch.distributed.nn  # noqa: F401
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+GLOO_COALESCE_NUMEL = 1 << 20  # the most output elements one coalesced gloo gather takes: [Note: gloo's all-gather temporary]
 
 
 class Handle:
@@ -246,6 +253,20 @@ class _Works:
     def wait(self) -> None:
         for work in self.works:
             work.wait()
+
+
+def _coalesce_groups(numels: list[int], limit: int) -> list[list[int]]:
+    """Indices of consecutive outputs in groups of at most `limit` elements in all (one larger alone)."""
+    groups: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(numels):
+        if groups and total + n <= limit:
+            groups[-1].append(i)
+            total += n
+        else:
+            groups.append([i])
+            total = n
+    return groups
 
 
 def _torch_checks_each_collective() -> bool:
@@ -455,11 +476,21 @@ class Comm:
 
     def _gather_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], coalesce: bool):
         """`all_gather_many`'s collectives, issued (see there for `coalesce`); a Work-like to wait on."""
-        if not coalesce and self.backend == "gloo":  # [Note: gloo's all-gather temporary]
-            return _Works([work for output, input in zip(outputs, inputs) for work in self._broadcast_rows(output, input)])
+        if self.backend == "gloo":  # [Note: gloo's all-gather temporary]
+            limit = GLOO_COALESCE_NUMEL if coalesce and not _torch_checks_each_collective() else 0
+            works = []
+            for group in _coalesce_groups([output.numel() for output in outputs], limit):
+                if len(group) == 1:
+                    works += self._broadcast_rows(outputs[group[0]], inputs[group[0]])
+                else:
+                    works.append(self._coalesced_gather([outputs[i] for i in group], [inputs[i] for i in group]))
+            return _Works(works)
         if not coalesce or len(outputs) == 1 or _torch_checks_each_collective():
             return _Works([dist.all_gather_single(output, input, group=self.group, async_op=True)
                            for output, input in zip(outputs, inputs)])
+        return self._coalesced_gather(outputs, inputs)
+
+    def _coalesced_gather(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]):
         with dist._coalescing_manager(group=self.group, async_ops=True) as coalesced:
             for output, input in zip(outputs, inputs):
                 dist.all_gather_single(output, input, group=self.group)
