@@ -477,11 +477,16 @@ class Comm:
     def _gather_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], coalesce: bool):
         """`all_gather_many`'s collectives, issued (see there for `coalesce`); a Work-like to wait on."""
         if self.backend == "gloo":  # [Note: gloo's all-gather temporary]
-            limit = GLOO_COALESCE_NUMEL if coalesce and not _torch_checks_each_collective() else 0
+            numels = [output.numel() for output in outputs]
+            limit = GLOO_COALESCE_NUMEL if coalesce else 0
+            detail = _torch_checks_each_collective()  # its checks skip coalesced collectives: one by one
             works = []
-            for group in _coalesce_groups([output.numel() for output in outputs], limit):
-                if len(group) == 1:
+            for group in _coalesce_groups(numels, limit):
+                if len(group) == 1 and (not detail or numels[group[0]] > limit):
                     works += self._broadcast_rows(outputs[group[0]], inputs[group[0]])
+                elif detail:
+                    works += [dist.all_gather_single(outputs[i], inputs[i], group=self.group, async_op=True)
+                              for i in group]
                 else:
                     works.append(self._coalesced_gather([outputs[i] for i in group], [inputs[i] for i in group]))
             return _Works(works)
