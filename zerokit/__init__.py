@@ -3,7 +3,8 @@ parameters / FSDP) written from scratch on torch.distributed collectives.
 
 Glossary — one name per role, used everywhere in the code:
 
-  param         a module's parameter (an nn.Parameter; after wrapping, a view into flat_data)
+  param         a module's parameter (an nn.Parameter; after wrapping, a view into flat_data; at
+                stage 3, while its unit is sharded, of a class that refuses reads: core/unit.py)
   flat_param    several params stored back to back in one padded 1-D buffer of (padded_numel,)
                 elements, padded with zeros to a multiple of the world size N; which params
                 and where is its FlatParamLayout (engine.flat_params[i]: a layout, no storage)

@@ -213,6 +213,82 @@ def _summon_write(rank, world_size, stage, precision):
     return dict(written=written, losses=torch.stack(losses), params=engine.state_dict(full=True))
 
 
+# ---------------------------------------------------------------------- stage 3: a parameter outside forward
+class TaggedParameter(nn.Parameter):
+    """A parameter class of the user's own: it must survive sharding (isinstance, and its class when gathered)."""
+
+
+def _attempt(fn) -> str | None:
+    """None if fn() ran; the RuntimeError's message if it raised one (anything else propagates)."""
+    try:
+        fn()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def _sharded_reads(rank, world_size, precision):
+    """What user code may do with a stage-3 parameter outside forward and backward, and what it is refused.
+
+    Every refusal must be an exception (a read of a sharded parameter's 0-byte storage used to
+    crash the process) naming the parameter and `summon_full_params`; metadata, `.grad`,
+    clipping, counting and a torch optimizer's `zero_grad()` keep working; inside forward and
+    inside summon_full_params the parameters read as usual.
+    """
+    import copy
+    import io
+    model = odd_model()
+    model.gain = TaggedParameter(model.gain.detach().clone())  # in the root unit
+    psi = sum(p.numel() for p in model.parameters())
+    engine = zk.shard(model, torch.optim.AdamW, stage=3, precision=precision, wrap=(OddBlock,), **ADAMW)
+    weight = model.blocks[0].fc1.weight  # (15, 7), unit blocks.0
+    seen_in_forward = []
+    model.blocks[0].fc1.register_forward_pre_hook(
+        lambda module, args: seen_in_forward.append((type(module.weight), float(module.weight.float().sum()))))
+    torch_opt = torch.optim.SGD(model.parameters(), lr=0.1)  # built over the sharded parameters: zero_grad only
+    out = {"refused": {}, "between": {}}
+    for step in range(2):
+        torch_opt.zero_grad()
+        x, y = odd_batch(step, BATCH, rank, world_size)
+        loss = engine(x, y)
+        if step == 0:  # between forward and backward: blocks.0 is freed again, the root stays gathered for backward
+            out["between"] = dict(block=_attempt(lambda: weight.sum()), root=_attempt(lambda: model.gain.sum()))
+        loss.backward()
+        out.setdefault("norms", []).append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        engine.step()
+    attempts = {
+        "sum": lambda: weight.sum(), "norm": lambda: weight.norm(), "float": lambda: float(weight[0, 0]),
+        "mul": lambda: weight * 2, "matmul": lambda: torch.ones(3, 7) @ weight.T, "data": lambda: weight.data,
+        "detach": lambda: weight.detach(), "tolist": lambda: weight.tolist(),
+        "fill_": lambda: torch.no_grad()(weight.fill_)(0.0),
+        "assign_data": lambda: setattr(weight, "data", torch.zeros(15, 7)),
+        "state_dict": lambda: model.state_dict(),
+        "torch.save": lambda: torch.save(model.blocks[0].state_dict(), io.BytesIO()),
+        "load_state_dict": lambda: model.blocks[0].load_state_dict({k: torch.zeros(v.shape) for k, v in
+                                                                     model.blocks[0].named_parameters()}, strict=False),
+        "deepcopy": lambda: copy.deepcopy(model.blocks[0]),
+        "root param": lambda: model.gain + 1,
+    }
+    out["refused"] = {name: _attempt(fn) for name, fn in attempts.items()}
+    out["repr"] = repr(weight)
+    out["metadata"] = dict(shape=tuple(weight.shape), dtype=str(weight.dtype), device=str(weight.device),
+                           is_parameter=isinstance(weight, nn.Parameter), requires_grad=weight.requires_grad,
+                           numel=sum(p.numel() for p in model.parameters()), psi=psi,
+                           first_device=str(next(model.parameters()).device),
+                           grad=type(weight.grad).__name__, tagged=isinstance(model.gain, TaggedParameter),
+                           in_set=weight in set(model.parameters()))
+    with engine.summon_full_params():
+        inside = dict(sum=float(weight.float().sum()), type=type(weight), gain_type=type(model.gain),
+                      state=model.state_dict()["blocks.0.fc1.weight"].clone())  # the param dtype
+    full = engine.state_dict(full=True)
+    out["summon"] = dict(sum=inside["sum"], plain=inside["type"] is nn.Parameter,
+                         gain_own_class=inside["gain_type"] is TaggedParameter,
+                         equal_full=torch.equal(inside["state"], full["blocks.0.fc1.weight"].to(inside["state"].dtype)),
+                         after=_attempt(lambda: weight.sum()))  # the fp32 master, rounded as the param is
+    out["forward"] = [(t is nn.Parameter, s) for t, s in seen_in_forward]
+    return out
+
+
 # Stage 3 variants whose units stay gathered after forward (or are prefetched differently):
 # the call must keep exactly those gathered.
 STAGE3_VARIANTS = {"reshard": {}, "keep": dict(reshard_after_forward=False), "prefetch0": dict(prefetch=0)}
@@ -239,6 +315,8 @@ def _cases(rank, world_size):
         for precision in ("fp32", "bf16"):
             out[("probe", precision, stage)] = _probe(stage, precision)
             out[("summon_write", precision, stage)] = _summon_write(rank, world_size, stage, precision)
+    for precision in ("fp32", "bf16"):
+        out[("sharded_reads", precision)] = _sharded_reads(rank, world_size, precision)
     for stage, variant, kw in _configs():
         for precision in ("fp32", "bf16"):
             for mode in MODES:
@@ -380,3 +458,47 @@ def test_summon_writes_reach_the_masters_at_every_stage(results, precision):
             got = res[("summon_write", precision, stage)]
             assert torch.equal(got["written"], torch.full((7,), 0.25)), (stage, got["written"])
             assert not _differences(got, ref), (stage, _differences(got, ref))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_stage3_parameter_outside_forward_refuses_reads_naming_summon_instead_of_crashing(results, precision):
+    """Outside forward and backward a stage-3 parameter's storage is 0 bytes; reading it used to crash the
+    process (`p.sum()`: a segmentation fault). Every read or write of its values, and the torch calls that
+    make them (`model.state_dict()`, `torch.save`, `load_state_dict`, `copy.deepcopy`), is now a RuntimeError
+    naming the parameter and `summon_full_params`; between forward and backward so is a freed unit's, while
+    the root, gathered for backward, reads normally."""
+    _, per_rank = results
+    for res in per_rank:
+        got = res[("sharded_reads", precision)]
+        for name, message in got["refused"].items():
+            assert message is not None, f"{name} on a sharded parameter did not raise"
+            assert "zerokit stage 3" in message and "summon_full_params" in message, (name, message)
+        for name in ("sum", "norm", "float", "mul", "data", "detach", "fill_", "assign_data"):
+            assert "'blocks.0.fc1.weight' (shape (15, 7))" in got["refused"][name], (name, got["refused"][name])
+        assert "'gain'" in got["refused"]["root param"]
+        assert "blocks.0.fc1.weight" in got["between"]["block"], got["between"]
+        assert got["between"]["root"] is None, got["between"]
+        assert "blocks.0.fc1.weight" in got["repr"] and "summon_full_params" in got["repr"], got["repr"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_sharded_parameter_keeps_its_metadata_grad_and_class_and_reads_whole_when_gathered(results, precision):
+    """What user code does with parameters it does not read keeps working on sharded ones: shape, dtype,
+    device, numel summed over model.parameters() (the unwrapped count), isinstance (a user's Parameter
+    subclass too), hashing, `.grad` (a ShardedGrad), clip_grad_norm_ and a torch optimizer's zero_grad.
+    Inside forward (a forward pre-hook) and inside summon_full_params the parameter is its own class
+    again and reads whole (equal to state_dict(full=True)); after the block it is sharded again."""
+    _, per_rank = results
+    dtype = str(PARAM_DTYPE[precision])
+    for res in per_rank:
+        got = res[("sharded_reads", precision)]
+        meta = got["metadata"]
+        assert meta["shape"] == (15, 7) and meta["dtype"] == dtype and meta["device"] == "cpu", meta
+        assert meta["numel"] == meta["psi"] and meta["first_device"] == "cpu", meta
+        assert meta["is_parameter"] and meta["requires_grad"] and meta["tagged"] and meta["in_set"], meta
+        assert meta["grad"] == "ShardedGrad", meta
+        assert len(got["norms"]) == 2 and all(n == n and 0 < n < float("inf") for n in got["norms"]), got["norms"]
+        summon = got["summon"]
+        assert summon["plain"] and summon["gain_own_class"] and summon["equal_full"], summon
+        assert summon["after"] is not None and "summon_full_params" in summon["after"], summon
+        assert len(got["forward"]) == 2 and all(plain for plain, _ in got["forward"]), got["forward"]

@@ -31,6 +31,11 @@ from zerokit.core.bucketing import plan_buckets
 from zerokit.core.partition import FlatLayout
 from zerokit.core.user_grads import ShardedGrad
 
+# The engine's own reads and writes of `.grad` skip Python-level dispatch: a stage-3 parameter whose
+# unit is sharded routes every attribute through its class's __torch_function__ (core/unit.py [Note:
+# a sharded parameter refuses reads]), a few microseconds each, and those calls read no values.
+_no_subclass_dispatch = torch._C.DisableTorchFunctionSubclass
+
 ParamGroupFn = Callable[[str, nn.Parameter], dict]
 
 
@@ -138,11 +143,12 @@ class FlatParamLayout:
         """Put grads[j] in params[j].grad and remember it: see core/user_grads.py [Note: param.grad belongs to
         the user]."""
         self._grad_views = None  # use_as_grad_storage keeps its views only while they are what is shown
-        for g, p in zip(grads, self.params):
-            if p.grad is not g:  # assigning checks shape, dtype and device: skip what is already shown
-                p.grad = g
-            if isinstance(g, ShardedGrad):
-                g.zeroed = False
+        with _no_subclass_dispatch():  # stage 3's sharded parameters: core/unit.py [Note: a sharded ...]
+            for g, p in zip(grads, self.params):
+                if p.grad is not g:  # assigning checks shape, dtype and device: skip what is already shown
+                    p.grad = g
+                if isinstance(g, ShardedGrad):
+                    g.zeroed = False
         self._shown_grads = list(grads)  # kept alive, so `p.grad is shown` is an identity test
 
     def user_grad_changes(self) -> tuple[list[int], list[int]]:
@@ -152,8 +158,9 @@ class FlatParamLayout:
         ShardedGrad zeroed in place. Replaced: any other tensor assigned to `.grad`.
         """
         cleared, replaced = [], []
-        for j, (p, shown) in enumerate(zip(self.params, self._shown_grads)):
-            g = p.grad
+        with _no_subclass_dispatch():
+            grads = [p.grad for p in self.params]
+        for j, (g, shown) in enumerate(zip(grads, self._shown_grads)):
             if g is shown:
                 if isinstance(g, ShardedGrad) and g.zeroed:
                     cleared.append(j)
@@ -171,10 +178,11 @@ class FlatParamLayout:
         lo, hi = self.shard_range if comm is not None else (0, self.padded_numel)
         assert grad_shard.numel() == hi - lo, (grad_shard.numel(), lo, hi)
         out = []
-        for names, p, o, n in zip(self.names, self.params, self.layout.offsets, self.layout.numels):
-            a, b = max(o, lo), min(o + n, hi)  # this param's elements in [lo, hi), flat coordinates
-            local = grad_shard[a - lo:b - lo] if a < b else grad_shard[:0]
-            out.append(ShardedGrad.make(p, local, comm, scale, names[0]))
+        with _no_subclass_dispatch():
+            for names, p, o, n in zip(self.names, self.params, self.layout.offsets, self.layout.numels):
+                a, b = max(o, lo), min(o + n, hi)  # this param's elements in [lo, hi), flat coordinates
+                local = grad_shard[a - lo:b - lo] if a < b else grad_shard[:0]
+                out.append(ShardedGrad.make(p, local, comm, scale, names[0]))
         return out
 
     def grad_views_of(self, flat: torch.Tensor, js: list[int]) -> list[torch.Tensor]:

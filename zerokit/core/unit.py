@@ -17,6 +17,23 @@ So each parameter is a view into one `flat_data` tensor for the engine's whole l
 gathering / freeing resizes that tensor's *storage* in place: every view, saved ones
 included, sees the re-gathered values, and freeing really returns the bytes.
 
+[Note: a sharded parameter refuses reads]
+While its unit is sharded a parameter keeps its shape, dtype and device over a storage of 0
+bytes ([Note: storage, not .data]), and torch's kernels do not check a tensor's bytes against
+its shape: `p.sum()` there read freed memory and crashed the process (a segmentation fault),
+and `print(p)`, `p.norm()` or `torch.save(model.state_dict())` outside forward did the same.
+So while its unit is not gathered each parameter's Python class is switched to a subclass of
+its own class (`sharded_class`: `isinstance(p, nn.Parameter)` still holds) whose
+`__torch_function__` lets metadata through (shape, dtype, device, numel, requires_grad,
+`.grad` read and written, hooks) and refuses anything that reads or writes the values with a
+RuntimeError naming the ways to the whole parameter: `engine.summon_full_params()`,
+`engine.state_dict(full=True)`, `engine.save()`. Gathering switches the class back before the
+unit computes, so forward and backward run on plain parameters and pay nothing; a switch is
+one attribute store (about 0.1 us). The shape stays the logical one, as FSDP2's sharded
+DTensor parameters keep theirs (FSDP1 shows a 1-D view of the local shard instead): counting
+`p.numel()` over `model.parameters()` still gives the model's size, and `.grad` (a
+`ShardedGrad` of the parameter's shape, core/user_grads.py) stays assignable.
+
 [Note: gather again in backward]
 With reshard_after_forward=True a unit's parameters are gone after its forward, but its
 backward needs them (the gradient w.r.t. the input of `x @ W` is `grad @ W`). A tensor hook
@@ -48,6 +65,7 @@ from zerokit.core.comm import free_storage
 from zerokit.core.config import WrapPolicy, wrap_matcher
 from zerokit.core.flat_param import FlatParamLayout, ParamInfo, summarize_names
 from zerokit.core.nest import map_tensors, tensors_in
+from zerokit.core.user_grads import _flat_args
 
 
 class UnitState(enum.Enum):
@@ -82,12 +100,29 @@ class Unit:
         self._handles: list = []  # in-flight all-gathers (GATHERING, no side stream)
         self._event = None  # CUDA: recorded on the gather stream after the gathers
         self.num_trainable = sum(1 for fp in flat_params if fp.requires_grad)
+        # Each parameter's own class and its sharded twin: [Note: a sharded parameter refuses reads]
+        self._classes = []
+        for fp in flat_params:
+            for p, names in zip(fp.params, fp.names):
+                own, sharded = type(p), sharded_class(type(p))
+                try:
+                    p.__class__ = sharded
+                except TypeError:  # a parameter class with a layout of its own: Python cannot switch it
+                    continue
+                p._zerokit_name = names[0]
+                self._classes.append((p, own, sharded))
         # What the collective recorder calls each gather (core/recorder.py): "unit blocks.0", and
         # with several flat params (frozen ones apart, say) which one: "unit blocks.0 (blocks.0.fc1.*)".
         what = f"unit {name or '<root>'}"
         self.gather_labels = [what] if len(flat_params) == 1 else [
             f"{what} ({summarize_names([names[0] for names in fp.names])})" for fp in flat_params]
         self.reset_backward()
+        self._show_params(sharded=True)  # the stage built the unit sharded
+
+    def _show_params(self, sharded: bool) -> None:
+        """Switch the parameters' class: refusing reads while sharded, their own when gathered."""
+        for p, own, guarded in self._classes:
+            p.__class__ = guarded if sharded else own
 
     # -- unshard / reshard ----------------------------------------------------------------
     def start_unshard(self, phase: str) -> None:
@@ -125,6 +160,7 @@ class Unit:
             torch.cuda.current_stream().wait_event(self._event)
         self._handles, self._event = [], None
         self.state = UnitState.UNSHARDED
+        self._show_params(sharded=False)
 
     def unshard(self, phase: str) -> None:
         """Make the parameters usable now, gathering them unless a prefetch already started."""
@@ -140,6 +176,7 @@ class Unit:
         for flat in self.flat_data:
             free_storage(flat)
         self.state = UnitState.SHARDED
+        self._show_params(sharded=True)
 
     # -- forward ----------------------------------------------------------------------------
     def pre_forward(self, args: tuple, kwargs: dict):
@@ -212,6 +249,66 @@ class _InputsGradDone(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.callback()
         return (None, *grads)
+
+
+# ------------------------------------------------------------ what a sharded parameter allows
+# Methods that read no values (metadata, hooks, the storage object itself, which is 0 bytes).
+_SHARDED_PARAM_METHODS = {"size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
+                          "stride", "is_contiguous", "storage_offset", "get_device", "data_ptr", "untyped_storage",
+                          "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__hash__",
+                          "__len__", "__format__", "__dir__", "is_shared", "is_pinned", "_is_view"}
+# Properties that are the values, or views of them; every other property (shape, grad, ...) is metadata.
+_SHARDED_PARAM_VALUE_PROPERTIES = {"data", "T", "mT", "H", "mH", "real", "imag"}
+
+
+class _ShardedParameter:
+    """Mixed into a parameter's own class while its unit is sharded: [Note: a sharded parameter refuses reads]."""
+
+    __slots__ = ()
+    _zerokit_name: str
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if name in ("__get__", "__set__", "__delete__"):  # a property: read, assigned or deleted
+            prop = getattr(getattr(func, "__self__", None), "__name__", None)
+            if prop in _SHARDED_PARAM_VALUE_PROPERTIES:
+                _refuse_sharded(args[0], f"`.{prop}`" if name == "__get__" else f"assigning `.{prop}`")
+        elif name not in _SHARDED_PARAM_METHODS:
+            found = [a for a in _flat_args(args, kwargs) if isinstance(a, _ShardedParameter)]
+            _refuse_sharded(found[0] if found else None, f"{name}()")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return (f"ShardedParameter({getattr(self, '_zerokit_name', '?')!r}, shape={tuple(self.shape)}, "
+                f"dtype={self.dtype}, device={self.device}: sharded by zerokit stage 3; its values exist "
+                f"inside `with engine.summon_full_params():`)")
+
+    __str__ = __repr__
+
+
+_SHARDED_CLASSES: dict[type, type] = {}
+
+
+def sharded_class(cls: type) -> type:
+    """`cls` with reads refused: [Note: a sharded parameter refuses reads]."""
+    if cls not in _SHARDED_CLASSES:
+        _SHARDED_CLASSES[cls] = type(cls)(f"Sharded{cls.__name__}", (_ShardedParameter, cls), {"__module__": __name__})
+    return _SHARDED_CLASSES[cls]
+
+
+def _refuse_sharded(param, what: str):
+    # RuntimeError, not TypeError: torch turns a TypeError inside `+`, `*`, ... into NotImplemented.
+    which = (f"parameter {getattr(param, '_zerokit_name', '?')!r} (shape {tuple(param.shape)})"
+             if param is not None else "a parameter")
+    raise RuntimeError(
+        f"zerokit stage 3: {which} is sharded: outside its unit's forward and backward this rank holds only "
+        f"its shard, inside the engine, and the parameter has no values. {what} is not supported on it. "
+        "Read or change parameters inside `with engine.summon_full_params():` (every rank enters it), take the "
+        "whole model with `engine.state_dict(full=True)` (a collective: every rank calls it), and save or load "
+        "with `engine.save()` / `engine.load()`.")
 
 
 # ---------------------------------------------------------------------- which params go where

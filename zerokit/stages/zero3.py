@@ -16,7 +16,9 @@ within the unit, never split), of which only this rank's range persists:
     grad_shard  (shard_numel,)    the gradient averaged over ranks for that range, from the first
                                   reduce-scatter after zero_grad until the next zero_grad
     flat_data   (padded_numel,)   the gathered flat buffer; its storage is 0 bytes whenever the
-                                  unit is sharded (core/unit.py [Note: storage, not .data])
+                                  unit is sharded (core/unit.py [Note: storage, not .data]), and
+                                  its params then refuse reads (core/unit.py [Note: a sharded
+                                  parameter refuses reads])
 
 What happens, per step (differences from stage 2 marked *):
   * construction: as stage 2, *but the param shards are copies and the flat buffers' storage
