@@ -16,7 +16,7 @@ if ! python -c "import torch" >/dev/null 2>&1; then
   python -m pip install -q "torch==2.13.0"
 fi
 # Checked from / so that the checkout itself (the current directory) does not count as installed.
-if ! (cd / && python -c "import zerokit, pytest, pytest_timeout, hypothesis, matplotlib, tqdm, safetensors") >/dev/null 2>&1 \
+if ! (cd / && python -c "import zerokit, pytest, pytest_timeout, hypothesis, matplotlib, tqdm, safetensors, transformers, peft") >/dev/null 2>&1 \
    || [ "$(cd / && python -c 'import zerokit, os; print(os.path.dirname(os.path.dirname(zerokit.__file__)))' 2>/dev/null)" != "$ZK_ROOT" ]; then
   echo "[setup] installing zerokit (editable) with test and plot extras"
   python -m pip install -q -e "$ZK_ROOT[test,plots]"
