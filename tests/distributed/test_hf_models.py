@@ -104,6 +104,9 @@ def _zerokit(rank, world_size, build, stage, precision, save_dir):
             res["generate_outside"] = str(exc)
             with engine.summon_full_params(writeback=False):
                 res["generated"] = model.generate(PROMPT, max_new_tokens=4, do_sample=False)
+        engine.register_forward_method("generate")  # accepted at every stage; stage 3 gathers the root for it
+        res["generated_registered"] = model.generate(PROMPT, max_new_tokens=4, do_sample=False)
+        res["gathered_after"] = engine.unsharded_param_bytes() if stage == 3 else 0
     try:  # outside summon_full_params: refused at stage 3, a plain save below it
         if rank == 0:
             model.save_pretrained(os.path.join(save_dir, "outside"))
@@ -162,7 +165,9 @@ def test_a_hf_models_outputs_ties_counts_and_generate_survive_wrapping(results, 
     trainable count) and model.device read as before wrapping, at stage 3 too; greedy generate() after
     training gives torch DDP's tokens at every stage. PEFT's generate() calls the inner model rather than
     the wrapped PeftModel, so at stage 3 the root unit is not gathered: it raises an error naming
-    summon_full_params, and inside summon_full_params(writeback=False) it gives DDP's tokens."""
+    summon_full_params; inside summon_full_params(writeback=False), or once registered with
+    engine.register_forward_method("generate") (accepted at every stage), it gives DDP's tokens, and
+    after it no unit is left gathered."""
     _, per_rank = results
     for res in per_rank:
         ref = res[(kind, "ddp")]
@@ -175,6 +180,8 @@ def test_a_hf_models_outputs_ties_counts_and_generate_survive_wrapping(results, 
             assert before == after, (stage, before, after)
             assert got["device"] == "cpu"
             assert torch.equal(got["generated"], ref["generated"]), (stage, got["generated"], ref["generated"])
+            assert torch.equal(got["generated_registered"], ref["generated"]), (stage, got["generated_registered"])
+            assert got["gathered_after"] == 0, (stage, got["gathered_after"])
             if kind == "lora" and stage == 3:  # PeftModel.generate calls the inner model: the root is not gathered
                 assert got["generate_outside"] is not None and "summon_full_params" in got["generate_outside"]
             else:

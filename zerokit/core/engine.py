@@ -75,6 +75,17 @@ class Engine:
             loss = loss * (self.scaler.scale / self.comm.data_parallel_size if self._divide_in_loss else self.scaler.scale)
         loss.backward()
 
+    def register_forward_method(self, name: str) -> None:
+        """Let `module.<name>(...)` (say `generate`) run the model as a call of the module does.
+
+        Stages 0-2 need nothing: every parameter is whole. Stage 3 gathers the root unit when the
+        module is called; a method that runs the model without calling the module itself (a
+        PEFT `PeftModel.generate` calls the inner model) needs registering there, as torch's
+        FSDP2 `register_fsdp_forward_method`. Accepted at every stage, so code runs unchanged.
+        """
+        if not callable(getattr(self.module, name, None)):
+            raise AttributeError(f"{type(self.module).__name__} has no method {name!r} to register")
+
     @contextlib.contextmanager
     def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
         """Every parameter whole inside the block: already so at stages 0-2 (stage 3 gathers).

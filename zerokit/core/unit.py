@@ -308,7 +308,8 @@ def _refuse_sharded(param, what: str):
         f"its shard, inside the engine, and the parameter has no values. {what} is not supported on it. "
         "Read or change parameters inside `with engine.summon_full_params():` (every rank enters it), take the "
         "whole model with `engine.state_dict(full=True)` (a collective: every rank calls it), and save or load "
-        "with `engine.save()` / `engine.load()`.")
+        "with `engine.save()` / `engine.load()`. A method that runs the model without calling it (a PEFT "
+        "model's generate()) needs `engine.register_forward_method(\"generate\")` first.")
 
 
 # ---------------------------------------------------------------------- which params go where

@@ -71,6 +71,19 @@ no backward reached since zero_grad steps on zeros, as at stage 0 (`grad_shard` 
 them), so the stages stay bitwise equal. The model-state formula (16Ψ/N) is what a rank holds
 after backward and step, as for every stage.
 
+[Note: forward methods]
+The root unit (embeddings, final norm, head) is gathered by a forward pre-hook on the model, so
+it runs when the model is *called*. Some methods run the model's parts without calling it: a
+PEFT `PeftModel.generate` calls the inner model's `generate`, whose forwards call the inner
+model, not the PeftModel the engine wraps. Their first read of a root parameter was refused
+(core/unit.py [Note: a sharded parameter refuses reads]). `register_forward_method(name)` wraps
+the method as FSDP2's `register_fsdp_forward_method` does: the root is gathered before it runs
+and the model freed after it (or, if its output requires grad, kept for backward as after a
+call). Units still gather and free themselves around each of their forwards. The method's pass
+is recorded apart from training's ([Note: recorded prefetch order] in core/prefetch.py): a
+generate calls each unit once per new token, and were that the record, the next training
+forward would keep units gathered for calls that never come.
+
 [Note: gradients packed when complete]
 Stages 0-2 give every parameter a `.grad` view into its bucket's flat gradient before autograd's
 first accumulation, so gradients land in communication-ready storage. Stage 3 does not: a unit's
@@ -88,6 +101,7 @@ at stages 0-2.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator
 
 import torch
@@ -226,6 +240,38 @@ class Zero3Engine(Checkpointing, Engine):
             unit = self.units[k]
             if unit.state is UnitState.SHARDED and not unit.backward_done:
                 unit.start_unshard(phase)
+
+    def register_forward_method(self, name: str) -> None:
+        """`module.<name>(...)` gathers the root unit and frees the model after, as a call of the module
+        does: [Note: forward methods]."""
+        super().register_forward_method(name)
+        method = getattr(self.module, name)
+        if getattr(method, "_zerokit_forward_method", False):
+            return
+
+        @functools.wraps(method)
+        def call(*args, **kwargs):
+            if self._in_forward or self.tracker.in_backward:  # already inside a pass: the root is whole
+                return method(*args, **kwargs)
+            saved, self.forward_order = self.forward_order, RecordedOrder(self.forward_order.recorded)
+            try:
+                self._root_pre_forward(self.module, args)
+                output = method(*args, **kwargs)
+            except BaseException:
+                self._in_forward = False
+                self._reshard_all()
+                raise
+            finally:
+                self.forward_order = saved
+            self._in_forward = False
+            if any(t.requires_grad for t in tensors_in(output)):
+                self.units[0].post_forward(output, self.tracker.begin_backward, reshard=False)
+            else:
+                self._reshard_all()
+            return output
+
+        call._zerokit_forward_method = True
+        setattr(self.module, name, call)  # an instance attribute: it shadows the class's method
 
     # -- backward: gather again before the unit's backward ops -------------------------------------
     def _pre_backward(self, unit: Unit) -> None:
