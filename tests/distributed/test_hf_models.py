@@ -1,4 +1,5 @@
-"""Models people bring: a Hugging Face transformers GPT-2 and a PEFT LoRA model on it, at every stage.
+"""Models people bring: Hugging Face GPT-2 (also under its own activation checkpointing), Llama, and
+PEFT LoRA on GPT-2, at every stage.
 
 They have what zerokit's own models do not: keyword inputs (`input_ids=`, `attention_mask=`,
 `labels=`), an output object (`CausalLMOutputWithCrossAttentions`, an OrderedDict subclass)
@@ -57,6 +58,31 @@ def _batch(step: int, rank: int, world_size: int) -> dict:
     mask[:, -2:] = 0
     return dict(input_ids=ids, attention_mask=mask, labels=ids)
 
+
+
+def _llama():
+    """A 2-layer Llama from a config: untied head, rotary-embedding buffers, grouped-query attention, RMSNorm."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def _checkpointed(kwargs):
+    """GPT-2 with HF's own activation checkpointing switched on (`gradient_checkpointing_enable`)."""
+    def build():
+        model = _gpt2()
+        model.gradient_checkpointing_enable(**({} if kwargs is None else {"gradient_checkpointing_kwargs": kwargs}))
+        return model
+    return build
+
+
+# Other models and settings a user brings, each trained by torch DDP and by every stage (fp32).
+VARIANTS = {"llama": _llama, "gpt2 checkpointed (HF default)": _checkpointed(None),
+            "gpt2 checkpointed, use_reentrant=False": _checkpointed({"use_reentrant": False}),
+            "gpt2 checkpointed, use_reentrant=True": _checkpointed({"use_reentrant": True})}
 
 PROMPT = torch.tensor([[5, 17, 3, 40]])
 
@@ -120,6 +146,27 @@ def _zerokit(rank, world_size, build, stage, precision, save_dir):
     return res
 
 
+
+def _train(rank, world_size, build, stage):
+    """STEPS steps of the user's loop; stage None: torch DDP + AdamW. Returns (losses, full state_dict)."""
+    model = build()
+    if stage is None:
+        run = _build_ddp(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    else:
+        blocks = tuple({type(m) for m in model.modules() if type(m).__name__ in ("GPT2Block", "LlamaDecoderLayer")})
+        run = opt = zk.shard(model, torch.optim.AdamW, stage=stage, wrap=blocks, lr=LR)
+    losses = []
+    for step in range(STEPS):
+        model.zero_grad()
+        out = run(**_batch(step, rank, world_size))
+        out.loss.backward()
+        opt.step()
+        losses.append(out.loss.detach())
+    params = ({k: v.detach().clone() for k, v in model.state_dict().items()} if stage is None
+              else opt.state_dict(full=True))
+    return torch.stack(losses), params
+
 def _cases(rank, world_size, tmp):
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
@@ -131,6 +178,9 @@ def _cases(rank, world_size, tmp):
             for precision in ("fp32", "bf16"):
                 save_dir = os.path.join(tmp, f"{kind}-{stage}-{precision}")
                 out[(kind, stage, precision)] = _zerokit(rank, world_size, build, stage, precision, save_dir)
+    for name, build in VARIANTS.items():
+        for stage in [None] + STAGES:
+            out[(name, stage)] = _train(rank, world_size, build, stage)
     return out
 
 
@@ -216,3 +266,18 @@ def test_save_pretrained_is_refused_at_stage3_outside_summon_and_round_trips_ins
                 # bf16: the saved params are the fp32 masters' roundings (loaded as they were saved, or into an fp32 base)
                 want = got["params"][name].to(PARAM_DTYPE[precision]).to(loaded[name].dtype)
                 assert torch.equal(loaded[name], want), (stage, precision, name)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_llama_and_hf_activation_checkpointing_train_like_torch_ddp_at_every_stage(results, variant):
+    """A Llama (untied head, rotary buffers, grouped-query attention) and GPT-2 under HF's own
+    `gradient_checkpointing_enable()` (its default, and use_reentrant True and False): losses and every
+    weight bit for bit torch DDP's, stages 0-3."""
+    _, per_rank = results
+    for rank, res in enumerate(per_rank):
+        ref_losses, ref_params = res[(variant, None)]
+        for stage in STAGES:
+            losses, params = res[(variant, stage)]
+            assert torch.equal(losses, ref_losses), (rank, stage, losses, ref_losses)
+            differ = [k for k in ref_params if not torch.equal(params[k], ref_params[k])]
+            assert set(params) == set(ref_params) and not differ, (rank, stage, differ)
