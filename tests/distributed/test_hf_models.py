@@ -251,7 +251,8 @@ def test_save_pretrained_is_refused_at_stage3_outside_summon_and_round_trips_ins
         for precision in ("fp32", "bf16"):
             got = rank0[(kind, stage, precision)]
             if stage == 3:
-                assert got["save_outside"] is not None and "summon_full_params" in got["save_outside"], got["save_outside"]
+                refused = got["save_outside"]
+                assert refused is not None and "summon_full_params" in refused, refused
             else:
                 assert got["save_outside"] is None, (stage, got["save_outside"])
             path = os.path.join(tmp, f"{kind}-{stage}-{precision}", "inside")
@@ -263,7 +264,7 @@ def test_save_pretrained_is_refused_at_stage3_outside_summon_and_round_trips_ins
                 names = [k for k in got["params"] if "lora_" in k]
                 assert len(names) == 4, names
             for name in names:
-                # bf16: the saved params are the fp32 masters' roundings (loaded as they were saved, or into an fp32 base)
+                # bf16: the saved params are the fp32 masters' roundings (loaded as saved, or into an fp32 base)
                 want = got["params"][name].to(PARAM_DTYPE[precision]).to(loaded[name].dtype)
                 assert torch.equal(loaded[name], want), (stage, precision, name)
 
