@@ -59,7 +59,6 @@ def _batch(step: int, rank: int, world_size: int) -> dict:
     return dict(input_ids=ids, attention_mask=mask, labels=ids)
 
 
-
 def _llama():
     """A 2-layer Llama from a config: untied head, rotary-embedding buffers, grouped-query attention, RMSNorm."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -88,40 +87,51 @@ PROMPT = torch.tensor([[5, 17, 3, 40]])
 
 
 # ---------------------------------------------------------------------- rank side
-def _torch_ddp(rank, world_size, build):
+def _train(rank, world_size, build, stage, precision="fp32"):
+    """STEPS steps of the user's loop over a fresh `build()`; stage None: torch DDP + AdamW.
+    Returns (model, engine or None, losses, the last output)."""
     model = build()
-    ddp = _build_ddp(model)  # its own group under TORCH_DISTRIBUTED_DEBUG=DETAIL (tests/common.py)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        out = ddp(**_batch(step, rank, world_size))
-        out.loss.backward()
-        opt.step()
-        losses.append(out.loss.detach())
-    with torch.no_grad():
-        generated = model.generate(PROMPT, max_new_tokens=4, do_sample=False)
-    return dict(losses=torch.stack(losses), generated=generated,
-                params={k: v.detach().clone() for k, v in model.state_dict().items()})
-
-
-def _zerokit(rank, world_size, build, stage, precision, save_dir):
-    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-    model = build()
-    counts = (model.num_parameters(), model.get_nb_trainable_parameters() if hasattr(model, "peft_config") else None)
-    engine = zk.shard(model, torch.optim.AdamW, stage=stage, precision=precision, wrap=(GPT2Block,), lr=LR)
+    if stage is None:
+        run = _build_ddp(model)  # its own group under TORCH_DISTRIBUTED_DEBUG=DETAIL (tests/common.py)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    else:
+        blocks = tuple({type(m) for m in model.modules() if type(m).__name__ in ("GPT2Block", "LlamaDecoderLayer")})
+        run = opt = zk.shard(model, torch.optim.AdamW, stage=stage, precision=precision, wrap=blocks, lr=LR)
     losses = []
     for step in range(STEPS):
         model.zero_grad()
-        out = engine(**_batch(step, rank, world_size))
+        out = run(**_batch(step, rank, world_size))
         out.loss.backward()
-        engine.step()
+        opt.step()
         losses.append(out.loss.detach().float())
+    return model, None if stage is None else opt, torch.stack(losses), out
+
+
+def _full_state(model, engine):
+    """The whole model's state_dict on every rank: torch's, or the engine's (a collective)."""
+    if engine is None:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return engine.state_dict(full=True)
+
+
+def _counts(model):
+    return model.num_parameters(), model.get_nb_trainable_parameters() if hasattr(model, "peft_config") else None
+
+
+def _torch_ddp(rank, world_size, build):
+    model, _, losses, _ = _train(rank, world_size, build, None)
+    with torch.no_grad():
+        generated = model.generate(PROMPT, max_new_tokens=4, do_sample=False)
+    return dict(losses=losses, generated=generated, params=_full_state(model, None))
+
+
+def _zerokit(rank, world_size, build, stage, precision, save_dir):
+    counts = _counts(build())  # before wrapping
+    model, engine, losses, out = _train(rank, world_size, build, stage, precision)
     base = model.get_base_model() if hasattr(model, "peft_config") else model
-    res = dict(losses=torch.stack(losses), output_type=type(out).__name__, logits_shape=tuple(out.logits.shape),
-               counts=(counts, (model.num_parameters(),
-                                model.get_nb_trainable_parameters() if hasattr(model, "peft_config") else None)),
-               device=str(model.device), tied=base.lm_head.weight is base.transformer.wte.weight)
+    res = dict(losses=losses, output_type=type(out).__name__, logits_shape=tuple(out.logits.shape),
+               counts=(counts, _counts(model)), device=str(model.device),
+               tied=base.lm_head.weight is base.transformer.wte.weight)
     with torch.no_grad():
         try:
             res["generated"] = model.generate(PROMPT, max_new_tokens=4, do_sample=False)
@@ -146,27 +156,6 @@ def _zerokit(rank, world_size, build, stage, precision, save_dir):
     return res
 
 
-
-def _train(rank, world_size, build, stage):
-    """STEPS steps of the user's loop; stage None: torch DDP + AdamW. Returns (losses, full state_dict)."""
-    model = build()
-    if stage is None:
-        run = _build_ddp(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    else:
-        blocks = tuple({type(m) for m in model.modules() if type(m).__name__ in ("GPT2Block", "LlamaDecoderLayer")})
-        run = opt = zk.shard(model, torch.optim.AdamW, stage=stage, wrap=blocks, lr=LR)
-    losses = []
-    for step in range(STEPS):
-        model.zero_grad()
-        out = run(**_batch(step, rank, world_size))
-        out.loss.backward()
-        opt.step()
-        losses.append(out.loss.detach())
-    params = ({k: v.detach().clone() for k, v in model.state_dict().items()} if stage is None
-              else opt.state_dict(full=True))
-    return torch.stack(losses), params
-
 def _cases(rank, world_size, tmp):
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
@@ -180,7 +169,8 @@ def _cases(rank, world_size, tmp):
                 out[(kind, stage, precision)] = _zerokit(rank, world_size, build, stage, precision, save_dir)
     for name, build in VARIANTS.items():
         for stage in [None] + STAGES:
-            out[(name, stage)] = _train(rank, world_size, build, stage)
+            model, engine, losses, _ = _train(rank, world_size, build, stage)
+            out[(name, stage)] = losses, _full_state(model, engine)
     return out
 
 
