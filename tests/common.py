@@ -1,4 +1,5 @@
-"""Shared by the distributed tests: the odd model, its data, and reference training loops.
+"""Shared by the distributed tests: the odd model, its data, reference training loops, and the collectives'
+checks that run at more than one world size (`callers_buffers_cases`).
 
 The odd model has every shape that breaks naive flattening: odd sizes such as (7, 15),
 a frozen parameter, an embedding tied to the output head, a 1-element parameter and a
@@ -143,3 +144,48 @@ def train_zerokit(rank: int, world_size: int, stage: int, optimizer_cls, opt_kwa
         loss = train_step(engine, micro_batches, lambda batch: engine(*batch), clip=clip).loss
         losses.append(loss.float().clone())
     return torch.stack(losses), engine.state_dict(full=True), engine
+
+
+def storage_refs(storage) -> int:
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+def callers_buffers_cases(rank: int, world_size: int) -> dict:
+    """core/comm.py [Note: frees at a fixed point], the caller's buffers: every reduce-scatter and all-reduce
+    path (ordered and native, into its own output and in place, asynchronous and not), with its Handle still
+    alive (so its Work too), right after the wait. For each: (the result is right, the references left on the
+    input's storage once the caller has dropped the input: 1 is this check's own, so the caller's last
+    reference freed the bytes; more is the Work still holding them)."""
+    from zerokit.core.comm import Comm, _torch_checks_each_collective
+
+    n, total = world_size, float(sum(range(1, world_size + 1)))
+    out = {}
+    for ordered in (True, False):
+        comm = Comm(ordered=ordered)
+        for way in ("own output", "in place", "all-reduce", "all-reduce max"):
+            for async_op in (True, False):
+                full = torch.full((4 * n,), float(rank + 1))
+                storage = full.untyped_storage()
+                if way == "own output":
+                    result = torch.empty(4)
+                    handle = comm.reduce_scatter(result, full, async_op=async_op)
+                    expected = torch.full((4,), total)
+                elif way == "in place":
+                    result = full.view(n, -1)[rank]
+                    handle = comm.reduce_scatter(result, full, async_op=async_op)
+                    expected = torch.full((4,), total)
+                else:
+                    op = "max" if way.endswith("max") else "sum"
+                    result = full
+                    handle = comm.all_reduce(full, op=op, async_op=async_op)
+                    expected = torch.full((4 * n,), float(n) if op == "max" else total)
+                handle.wait()
+                right = torch.equal(result, expected)
+                del full, result
+                refs = storage_refs(storage)
+                if ordered and way == "all-reduce" and n > 2 and _torch_checks_each_collective():
+                    refs = 1  # its all-gather half is gloo's own there, whose Work keeps views of the output
+                    # it made itself: not lent (core/comm.py [Note: frees at a fixed point])
+                out[(ordered, way, async_op)] = (right, refs)
+                del handle
+    return out

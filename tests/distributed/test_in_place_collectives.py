@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from common import callers_buffers_cases
 from zerokit.core.comm import Comm, Simulated
 from zerokit.launch import run_ranks
 
@@ -58,6 +59,7 @@ def _cases(rank, world_size):
                 sent=[n for _, n in seen], received_numel=[t.numel() for t, _ in seen],
                 received_bytes_after=[t.untyped_storage().nbytes() for t, _ in seen])
     out["gathers"] = _in_place_gathers(rank, world_size)
+    out["callers"] = callers_buffers_cases(rank, world_size)  # tests/common.py
     return out
 
 
@@ -103,7 +105,7 @@ def results(tmp_path_factory):
 
 def test_two_ranks_exchange_halves_and_get_the_sums_bits(results):
     for rank, out in enumerate(results):
-        cases = {case: r for case, r in out.items() if case != "gathers"}
+        cases = {case: r for case, r in out.items() if case not in ("gathers", "callers")}
         assert len(cases) == 6
         for case, r in cases.items():
             assert r["right"] == [True, True, True], (rank, case, r["right"])
@@ -120,3 +122,14 @@ def test_a_gather_takes_its_own_row_as_input_and_refuses_any_other_overlap(resul
                                     "simulated": True}, (rank, gathers["right"])
         assert len(gathers["refused"]) == 2 and all(gathers["refused"]), (rank, gathers["refused"])
         assert all("this rank's own row" in msg for msg in gathers["refused"]), gathers["refused"]
+
+
+def test_a_completed_collective_at_two_ranks_holds_none_of_the_callers_bytes(results):
+    """As tests/distributed/test_fixed_point_frees.py checks at 3 ranks, here for 2 ranks' own recipes (the
+    exchange of halves; a native all-reduce for the ordered one): once the caller drops its input, nothing
+    else holds its bytes, though the Handle, and so the Work, is still alive."""
+    for rank, out in enumerate(results):
+        cases = out["callers"]
+        assert len(cases) == 16
+        assert all(right for right, _ in cases.values()), (rank, cases)
+        assert all(refs == 1 for _, refs in cases.values()), (rank, cases)

@@ -71,6 +71,21 @@ varies from run to run: the allocator's live bytes at a step boundary then somet
 buffer the step no longer uses (seen: stage 1's gather clones, 0.93 MB, at one boundary in one of
 seven runs of benchmarks/speed_vs_torch.py). Once the collective has completed, zerokit frees the
 temporary's storage itself, on its own thread (`free_storage`), at the same point of every step.
+The caller's own buffers are held the same way: stages 2 and 3 reduce-scatter a bucket's or
+unit's full-size gradient and drop it when the owners have its content, yet gloo's worker still
+held the collective's input, so its bytes were freed on that thread, late in some runs (seen: a
+clean-clone CI run counted stage 3's root gradient, 16,512 bytes, alive at the step boundary of
+benchmarks/where_peak.py). A caller's buffer cannot be freed by zerokit (user code may hold a
+view of `.grad`, and reading freed storage crashes), so on gloo a collective is handed an alias of
+each caller tensor (`Comm._lend`: a new tensor over the same storage) and, once it has completed,
+the alias is pointed at an empty storage (`set_()`): the Work then holds no bytes of the caller's,
+and the caller's last reference frees them, on its own thread. Every reduce-scatter and all-reduce
+is lent this way, and the broadcasts of a gloo all-gather; gloo's own all-gather (coalesced, or
+one by one under TORCH_DISTRIBUTED_DEBUG=DETAIL) is not: torch makes views of its output that
+the Work keeps. Its outputs are buffers a stage keeps (stage 0's buckets, whose ordered all-reduce
+ends in one; stages 1-2's flat parameters) or frees with `free_storage` (stage 3's units). Not on NCCL: its Work
+keeps its tensors alive until the CPU has seen the collective complete on its stream, which the
+caching allocator relies on.
 
 [Note: gloo's all-gather temporary]
 gloo's all-gather receives into a flat buffer of its own, the size of the output, allocated when
@@ -181,9 +196,10 @@ GLOO_COALESCE_NUMEL = 1 << 20  # the most output elements one coalesced gloo gat
 class Handle:
     """An in-flight collective. `wait()` blocks the CPU until the result is usable."""
 
-    def __init__(self, work=None, finish=None, comm: "Comm | None" = None, local: bool = True):
+    def __init__(self, work=None, finish=None, comm: "Comm | None" = None, local: bool = True, lent=()):
         self._work = work  # torch.distributed Work, or None when already complete
         self._finish = finish  # step run after the communication (ordered sum, copy out, free)
+        self._lent = lent  # aliases the Work holds, emptied once it completes: [Note: frees at a fixed point]
         self._comm = comm  # whose recorder a failure reports
         self.local = local  # False: `finish` issues collectives of its own (core/hybrid.py)
         self.done = False
@@ -205,6 +221,8 @@ class Handle:
                 self._work.wait()  # CPU waits here for the collective to complete (gloo raises on timeout)
             if self._finish is not None:
                 self._finish()
+            _take_back(self._lent)
+        self._lent = self._finish = None  # what they referred to is the caller's to free now
         self.done = True
 
 
@@ -225,6 +243,7 @@ class _SecondHalf(Handle):
         if not self.issued:
             self._comm._issue_second_halves()
         super().wait()
+        self.reduced = self.tensor = self.mine = None  # the caller's bucket is the caller's to free now
 
     def arrived(self) -> bool:
         return self.done  # its wait() issues the all-gathers: only where every rank issues them
@@ -238,6 +257,14 @@ def free_storage(t: torch.Tensor) -> None:
         t.untyped_storage().resize_(0)
 
 
+def _take_back(lent) -> None:
+    """Point each alias a completed collective was lent at an empty storage: its Work, released later on
+    gloo's thread, then holds none of the caller's bytes ([Note: frees at a fixed point])."""
+    for alias in lent:
+        if getattr(alias, "_zerokit_lent", False):  # never a caller's own tensor (`_lend` off gloo returns it)
+            alias.set_()
+
+
 def profiled(name: str):
     """torch.profiler's record_function(name) while a profiler records, else nothing: entering one costs a
     dispatcher call even when no profiler is on (16 us here, a few per bucket and step)."""
@@ -245,14 +272,20 @@ def profiled(name: str):
 
 
 class _Works:
-    """Several torch.distributed Works waited for as one."""
+    """Several torch.distributed Works waited for as one; `lent`: the aliases they hold (`Comm._lend`)."""
 
-    def __init__(self, works: list):
+    def __init__(self, works: list, lent=()):
         self.works = works
+        self.lent = lent
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
 
     def wait(self) -> None:
         for work in self.works:
             work.wait()
+        _take_back(self.lent)
+        self.lent = ()
 
 
 def _coalesce_groups(numels: list[int], limit: int) -> list[list[int]]:
@@ -321,6 +354,15 @@ class Comm:
         if debug is None:
             debug = os.environ.get("ZEROKIT_DEBUG", "").strip() not in ("", "0")
         self.debug = bool(debug)  # see [Note: debug mode]
+
+    def _lend(self, t: torch.Tensor) -> torch.Tensor:
+        """What a collective is handed for the caller's tensor `t`: on gloo a new tensor over the same bytes,
+        emptied by `_take_back` once the collective completes ([Note: frees at a fixed point]); else `t`."""
+        if self.backend != "gloo":
+            return t
+        alias = t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+        alias._zerokit_lent = True
+        return alias
 
     def use_tree(self) -> None:
         """Sum the ranks' contributions pairwise ([Note: ordered reduction]; core/tree.py). Needs N = 2^j."""
@@ -394,8 +436,9 @@ class Comm:
         with profiled("zerokit::all_reduce"), self.report_failure():
             if op == "sum" and self.ordered and self.world_size > 2:  # N = 2: one addition, any order
                 return self._ordered_all_reduce(tensor, async_op, rec)
-            work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op)
-            return Handle(work, comm=self) if async_op else _DONE
+            lent = self._lend(tensor)
+            work = dist.all_reduce(lent, op=_OPS[op], group=self.group, async_op=async_op)
+            return self._handle(work, async_op, lent)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
                        phase: str | None = None, label: str | None = None) -> Handle:
@@ -413,20 +456,19 @@ class Comm:
         with profiled("zerokit::reduce_scatter"), self.report_failure():
             if self.ordered:  # safe in place: the input is fully received before the sum is written
                 return self._ordered_reduce_scatter(output, input, async_op)
+            lent = self._lend(input)
             if _shares_storage(output, input):  # in place (output is my range of input): go via a temporary
                 result = torch.empty_like(output)
-                work = dist.reduce_scatter_single(result, input, group=self.group, async_op=async_op)
+                work = dist.reduce_scatter_single(result, lent, group=self.group, async_op=async_op)
 
                 def finish():
                     output.copy_(result)
                     free_storage(result)  # [Note: frees at a fixed point]
 
-                handle = Handle(work if async_op else None, finish, comm=self)
-                if not async_op:
-                    handle.wait()
-                return handle
-            work = dist.reduce_scatter_single(output, input, group=self.group, async_op=async_op)
-            return Handle(work, comm=self) if async_op else _DONE
+                return self._handle(work, async_op, lent, finish)
+            out = self._lend(output)
+            work = dist.reduce_scatter_single(out, lent, group=self.group, async_op=async_op)
+            return self._handle(work, async_op, (lent, out))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
                    phase: str | None = None, label: str | None = None) -> Handle:
@@ -480,16 +522,16 @@ class Comm:
             numels = [output.numel() for output in outputs]
             limit = GLOO_COALESCE_NUMEL if coalesce else 0
             detail = _torch_checks_each_collective()  # its checks skip coalesced collectives: one by one
-            works = []
+            works, lent = [], []
             for group in _coalesce_groups(numels, limit):
                 if len(group) == 1 and (not detail or numels[group[0]] > limit):
-                    works += self._broadcast_rows(outputs[group[0]], inputs[group[0]])
+                    works += self._broadcast_rows(outputs[group[0]], inputs[group[0]], lent)
                 elif detail:
                     works += [dist.all_gather_single(outputs[i], inputs[i], group=self.group, async_op=True)
                               for i in group]
                 else:
                     works.append(self._coalesced_gather([outputs[i] for i in group], [inputs[i] for i in group]))
-            return _Works(works)
+            return _Works(works, lent)
         if not coalesce or len(outputs) == 1 or _torch_checks_each_collective():
             return _Works([dist.all_gather_single(output, input, group=self.group, async_op=True)
                            for output, input in zip(outputs, inputs)])
@@ -501,14 +543,17 @@ class Comm:
                 dist.all_gather_single(output, input, group=self.group)
         return coalesced
 
-    def _broadcast_rows(self, output: torch.Tensor, input: torch.Tensor) -> list:
-        """An all-gather as N broadcasts in place, rank r's from row r of `output` (works, issued)."""
+    def _broadcast_rows(self, output: torch.Tensor, input: torch.Tensor, lent: list) -> list:
+        """An all-gather as N broadcasts in place, rank r's from row r of `output` (works, issued); the rows
+        they are lent go into `lent` ([Note: frees at a fixed point])."""
         assert output.dtype == input.dtype, (output.dtype, input.dtype)
         rows = output.view(self.world_size, -1)
         if rows[self.rank].data_ptr() != input.data_ptr():  # not already in place
             rows[self.rank].copy_(input.view(-1))
-        return [dist.broadcast(rows[r], src=self._global_rank(r), group=self.group, async_op=True)
-                for r in range(self.world_size)]
+        rows = [self._lend(row) for row in rows]
+        lent += rows
+        return [dist.broadcast(row, src=self._global_rank(r), group=self.group, async_op=True)
+                for r, row in enumerate(rows)]
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, phase: str | None = None,
                   label: str | None = None) -> None:
@@ -645,11 +690,9 @@ class Comm:
             self._sum_rows(output, received.view(n, -1))
             free_storage(received)
 
-        work = dist.all_to_all_single(received, input, group=self.group, async_op=async_op)
-        handle = Handle(work if async_op else None, finish, comm=self)
-        if not async_op:
-            handle.wait()
-        return handle
+        lent = self._lend(input)
+        work = dist.all_to_all_single(received, lent, group=self.group, async_op=async_op)
+        return self._handle(work, async_op, lent, finish)
 
     def _exchange_halves(self, output, input, async_op) -> Handle:
         """The ordered reduce-scatter at N = 2 ([Note: ordered reduction]): each rank sends only the
@@ -667,9 +710,16 @@ class Comm:
             torch.add(halves[self.rank], received, out=output)  # output may be halves[self.rank] itself
             free_storage(received)
 
-        work = dist.all_to_all_single(received, halves[peer], output_split_sizes=splits, input_split_sizes=splits,
+        lent = self._lend(halves[peer])
+        work = dist.all_to_all_single(received, lent, output_split_sizes=splits, input_split_sizes=splits,
                                       group=self.group, async_op=async_op)
-        handle = Handle(work if async_op else None, finish, comm=self)
+        return self._handle(work, async_op, lent, finish)
+
+    def _handle(self, work, async_op: bool, lent, finish=None) -> Handle:
+        """The Handle of a collective just issued; waited for at once (its finish run, its aliases taken
+        back) when it was synchronous. `lent`: an alias from `_lend`, or a tuple of them."""
+        handle = Handle(work if async_op else None, finish, comm=self,
+                        lent=lent if isinstance(lent, tuple) else (lent,))
         if not async_op:
             handle.wait()
         return handle

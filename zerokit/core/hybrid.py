@@ -52,7 +52,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from zerokit.core.comm import Comm, Handle, _nbytes, _shares_storage, free_storage, profiled
+from zerokit.core.comm import Comm, Handle, _nbytes, _shares_storage, _take_back, free_storage, profiled
 from zerokit.core.estimate import resolve_shard_group_size
 from zerokit.core.tree import is_power_of_two, pairwise_sum_
 
@@ -198,26 +198,31 @@ class HybridComm(Comm):
         self.replicate._count("all_reduce", 2 * _nbytes(output), output.numel(), phase)
         with profiled("zerokit::reduce_scatter"), self.report_failure():
             if not self.ordered:  # native: reduce-scatter in the node, all-reduce of the shard across nodes
-                work = None
+                work, lent = None, ()  # lent: core/comm.py [Note: frees at a fixed point]
                 if s == 1:
                     output.copy_(input)
                 elif _shares_storage(output, input):
                     result = torch.empty_like(output)
-                    dist.reduce_scatter_single(result, input, group=self.group)
+                    sent = self._lend(input)
+                    dist.reduce_scatter_single(result, sent, group=self.group)
+                    _take_back((sent,))
                     output.copy_(result)
                     free_storage(result)  # core/comm.py [Note: frees at a fixed point]
                 else:
-                    work = dist.reduce_scatter_single(output, input, group=self.group, async_op=True)
+                    lent = (self._lend(output), self._lend(input))
+                    work = dist.reduce_scatter_single(lent[0], lent[1], group=self.group, async_op=True)
                 handle = Handle(work, lambda: dist.all_reduce(output, group=self.replicate.group), comm=self,
-                                local=False)  # its finish is a collective: never run early
+                                local=False, lent=lent)  # its finish is a collective: never run early
             else:
-                rows, work = self._node_rows(input)
+                lent = self._lend(input)  # core/comm.py [Note: frees at a fixed point]
+                rows, work = self._node_rows(lent)
 
                 def finish():
                     (self._tree_across if self.tree else self._chain_across)(output, rows)
                     free_storage(rows)  # the receive buffer: core/comm.py [Note: frees at a fixed point]
 
-                handle = Handle(work, finish, comm=self, local=False)  # the chain across nodes is collectives
+                handle = Handle(work, finish, comm=self, local=False, lent=(lent,))  # the chain across nodes
+                # is collectives
         if not async_op:
             handle.wait()
         return handle
