@@ -183,8 +183,9 @@ def _markdown(r: dict) -> str:
         "was before) makes more collectives than DDP. Stage 0 now all-reduces consecutive buckets together, a "
         "group closing once it reaches the cap (DDP's rule applied to whole buckets: stages/ddp.py [Note: "
         "all-reduce groups]), so its collectives are fewer and larger than DDP's. zerokit's hooks are "
-        "Python (two per parameter and backward: core/hooks.py), DDP's reducer is C++; zerokit's step is one "
-        "foreach AdamW over its flat buffers, DDP's over every parameter."]) + "\n"
+        "Python (two per parameter and backward: core/hooks.py), DDP's reducer is C++; zerokit's step is AdamW "
+        "over its 10 flat buffers (torch's for-loop implementation, the CPU default), DDP's a foreach AdamW "
+        "over every parameter."]) + "\n"
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ param shard (a view: no copy, 0 extra bytes); under bf16/fp16 it is a separate f
 (4 bytes/param) and the update happens there, then the low-precision params are refreshed.
 
 Buffers with the same hyperparameter overrides share one optimizer param group, so each
-`step` runs one foreach kernel per group over whole shards, never a Python loop over
-module parameters.
+`step` runs the wrapped optimizer over a few whole shards (torch's for-loop implementation on
+CPU unless the caller passes `foreach=True`, its foreach kernels on CUDA), never over every
+module parameter.
 
 step() in numbered phases:
   1. fp16 only: inf/nan check on the local grad shards; one all-reduce(MAX) so that every
