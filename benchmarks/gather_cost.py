@@ -1,12 +1,20 @@
 """What an all-gather costs on gloo: torch's all-gather beside zerokit's (N broadcasts into the output's rows).
 
-    python benchmarks/gather_cost.py                   # 2, 4 and 8 gloo ranks, three sizes
-    python benchmarks/gather_cost.py --nproc 2 4 8 --numel 15744 111840 1048576 --calls 200 --rounds 5
+    python benchmarks/gather_cost.py                   # 2, 4 and 8 gloo ranks, three sizes, and several outputs at once
+    python benchmarks/gather_cost.py --nproc 2 4 8 --numel 15744 111840 1048576 --calls 200 --rounds 5 \
+        --many 73728 73728 73728 73728 73728 73728 5184 15456
 
 core/comm.py [Note: gloo's all-gather temporary]: gloo's all-gather receives into a buffer of its
 own, the output's size, for as long as the collective runs, and torch's wrapper allocates and frees
 another as the gather is issued. zerokit gathers on gloo (when it does not coalesce several outputs
 into one collective) by N broadcasts, rank r's from row r of the output, in place.
+
+Several outputs at once (`--many`: by default the 8 buckets stages 1 and 2 gather after the step for the
+`small` model, 463,008 elements): torch's coalesced all-gather (gloo concatenates the inputs, gathers
+into one buffer of every output's size, copies out), which zerokit used before, beside zerokit's
+packed gather (`Comm.all_gather_many`: the inputs copied into this rank's row of one staging buffer,
+a broadcast from each rank, the rows copied out), the inputs being each rank's own rows of the outputs
+as at stages 1-2.
 
 For each world size, one spawn; for each output size (111,840 elements: one Block of the `small`
 model, a stage-3 unit), each way is timed as `--calls` asynchronous gathers, each waited for before
@@ -37,6 +45,7 @@ from zerokit.launch import run_ranks  # noqa: E402
 from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
 
 WAYS = ("torch all_gather_into_tensor", "zerokit Comm.all_gather")
+MANY_WAYS = ("torch coalesced all-gather", "zerokit Comm.all_gather_many (packed)")
 
 
 def _gather(way: str, comm: Comm, output: torch.Tensor, shard: torch.Tensor) -> None:
@@ -109,12 +118,55 @@ def cost_rank(rank: int, world_size: int, cfg: dict) -> dict:
         dist.barrier()
         out[numel] = {"ms": times, "allocated": {way: allocated_while(calls_of[way]) for way in WAYS},
                       "output_bytes": output.numel() * output.element_size()}
+    if cfg["many"]:
+        out["many"] = _many(rank, world_size, comm, cfg)
     return out
+
+
+def _many(rank: int, world_size: int, comm: Comm, cfg: dict) -> dict:
+    """Several outputs gathered at once, each input this rank's own row of its output: both ways timed and
+    their in-flight allocations summed, the outputs checked equal."""
+    g = torch.Generator().manual_seed(rank)
+    outputs = [torch.empty(numel) for numel in cfg["many"]]
+    inputs = [output.view(world_size, -1)[rank] for output in outputs]
+    for shard in inputs:
+        shard.copy_(torch.randn(shard.numel(), generator=g))
+    calls_of = {MANY_WAYS[0]: lambda: comm._coalesced_gather(outputs, inputs).wait(),
+                MANY_WAYS[1]: lambda: comm.all_gather_many(outputs, inputs).wait()}
+    results = []
+    for way in MANY_WAYS:
+        for _ in range(3):
+            calls_of[way]()
+        results.append(torch.cat(outputs))
+    assert torch.equal(results[0], results[1])
+    times = timed_rounds(calls_of, cfg["calls"], cfg["rounds"])
+    dist.barrier()
+    return {"ms": times, "allocated": {way: allocated_while(calls_of[way]) for way in MANY_WAYS},
+            "output_bytes": sum(output.numel() * output.element_size() for output in outputs),
+            "outputs": len(outputs)}
+
+
+def summarize_many(per_rank: list[dict], world_size: int) -> dict:
+    ms = {way: slowest_rank_median([rank["many"]["ms"][way] for rank in per_rank]) for way in MANY_WAYS}
+    return {"world_size": world_size, "outputs": per_rank[0]["many"]["outputs"],
+            "output_bytes": per_rank[0]["many"]["output_bytes"], "ms": ms, "ratio": ms[MANY_WAYS[1]] / ms[MANY_WAYS[0]],
+            "allocated": {way: max(rank["many"]["allocated"][way] for rank in per_rank) for way in MANY_WAYS}}
+
+
+def many_table(rows: list[dict]) -> list[str]:
+    lines = ["| ranks | outputs (bytes in all) | torch coalesced ms | zerokit packed ms | ratio (zk / torch) "
+             "| bytes allocated in flight, torch | zerokit |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['world_size']} | {r['outputs']} ({r['output_bytes']:,}) | {r['ms'][MANY_WAYS[0]]:.3f} | "
+                     f"{r['ms'][MANY_WAYS[1]]:.3f} | {r['ratio']:.2f} | {r['allocated'][MANY_WAYS[0]]:,} | "
+                     f"{r['allocated'][MANY_WAYS[1]]:,} |")
+    return lines
 
 
 def summarize(per_rank: list[dict], world_size: int) -> list[dict]:
     rows = []
-    for numel in per_rank[0]:
+    for numel in (k for k in per_rank[0] if k != "many"):
         ms = {way: slowest_rank_median([rank[numel]["ms"][way] for rank in per_rank]) for way in WAYS}
         rows.append({"world_size": world_size, "numel": numel, "output_bytes": per_rank[0][numel]["output_bytes"],
                      "ms": ms, "ratio": ms[WAYS[1]] / ms[WAYS[0]],
@@ -137,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, nargs="+", default=[2, 4, 8], help="gloo world sizes, one spawn each")
     p.add_argument("--numel", type=int, nargs="+", default=[15744, 111840, 1048576],
                    help="output sizes in fp32 elements (rounded down to a multiple of the world size)")
+    p.add_argument("--many", type=int, nargs="*", default=[73728] * 6 + [5184, 15456],
+                   help="output sizes gathered together (each rounded down to a multiple of the world size); none: "
+                        "skip that part")
     p.add_argument("--calls", type=int, default=200, help="gathers per timed round")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds of each way, alternating which goes first")
     p.add_argument("--timeout", type=float, default=600, help="deadline for each spawn (s)")
@@ -145,13 +200,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     record = provenance(command_line(__file__, argv))
     start = time.perf_counter()
-    rows = []
+    rows, many = [], []
     for n in args.nproc:
-        cfg = {"numel": [k - k % n for k in args.numel], "calls": args.calls, "rounds": args.rounds}
-        rows += summarize(run_ranks(cost_rank, n, cfg, timeout_s=args.timeout), n)
-    result = {**record, "config": {"calls": args.calls, "rounds": args.rounds},
-              "seconds": round(time.perf_counter() - start, 1), "rows": rows}
-    print("\n".join(table(rows)))
+        cfg = {"numel": [k - k % n for k in args.numel], "calls": args.calls, "rounds": args.rounds,
+               "many": [k - k % n for k in args.many]}
+        per_rank = run_ranks(cost_rank, n, cfg, timeout_s=args.timeout)
+        rows += summarize(per_rank, n)
+        if args.many:
+            many.append(summarize_many(per_rank, n))
+    result = {**record, "config": {"calls": args.calls, "rounds": args.rounds, "many": args.many},
+              "seconds": round(time.perf_counter() - start, 1), "rows": rows, "many": many}
+    print("\n".join(table(rows) + ([""] + many_table(many) if many else [])))
     write_pair(args.out, result, _markdown(result))
     return 0
 
@@ -168,7 +227,19 @@ def _markdown(r: dict) -> str:
         "into the output's rows (core/comm.py [Note: gloo's all-gather temporary]); both give the same bits. "
         "\"Bytes allocated in flight\": every allocation torch.profiler records during one gather and its wait "
         "(issuing thread and gloo's workers), summed: torch's is two buffers of the output's size (the wrapper's, "
-        "freed at once, and gloo's receive buffer, live while the gather runs); the broadcasts write in place."]) + "\n"
+        "freed at once, and gloo's receive buffer, live while the gather runs); the broadcasts write in place.",
+        *([] if not r.get("many") else [
+            "", f"## Several outputs at once ({len(c['many'])}: {', '.join(f'{k:,}' for k in c['many'])} "
+            "fp32 elements)",
+            "", *many_table(r["many"]), "",
+            "\"torch coalesced\": the outputs' `all_gather_into_tensor`s in one "
+            "`torch.distributed._coalescing_manager` "
+            "(what zerokit's stages 1-2 used after the step before): gloo concatenates the inputs, gathers into one "
+            "buffer of every output's size and copies the rows out. \"zerokit packed\": `Comm.all_gather_many` (core/"
+            "comm.py [Note: gloo's all-gather temporary]): the inputs copied into this rank's row of one (N, Σ m) "
+            "staging buffer, one broadcast from each rank, the rows copied out, the staging freed. Each input is "
+            "this rank's own row of its output, as at stages 1-2; both give the same bits (checked in the "
+            "run)."])]) + "\n"
 
 
 if __name__ == "__main__":

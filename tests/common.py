@@ -156,7 +156,7 @@ def callers_buffers_cases(rank: int, world_size: int) -> dict:
     alive (so its Work too), right after the wait. For each: (the result is right, the references left on the
     input's storage once the caller has dropped the input: 1 is this check's own, so the caller's last
     reference freed the bytes; more is the Work still holding them)."""
-    from zerokit.core.comm import Comm, _torch_checks_each_collective
+    from zerokit.core.comm import Comm
 
     n, total = world_size, float(sum(range(1, world_size + 1)))
     out = {}
@@ -182,10 +182,6 @@ def callers_buffers_cases(rank: int, world_size: int) -> dict:
                 handle.wait()
                 right = torch.equal(result, expected)
                 del full, result
-                refs = storage_refs(storage)
-                if ordered and way == "all-reduce" and n > 2 and _torch_checks_each_collective():
-                    refs = 1  # its all-gather half is gloo's own there, whose Work keeps views of the output
-                    # it made itself: not lent (core/comm.py [Note: frees at a fixed point])
-                out[(ordered, way, async_op)] = (right, refs)
+                out[(ordered, way, async_op)] = (right, storage_refs(storage))
                 del handle
     return out

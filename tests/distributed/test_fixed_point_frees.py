@@ -96,7 +96,46 @@ def _cases(rank, world_size):
     out["gathers"] = _gather_allocations(rank, world_size)
     out["arrived"] = _finishing_what_has_arrived(rank, world_size)
     out["callers"] = _callers_buffers(rank, world_size)
+    out["packed"] = _packed_gathers(rank, world_size)
     return out
+
+
+def _packed_gathers(rank, world_size):
+    """core/comm.py [Note: gloo's all-gather temporary], several outputs in one group: packed into a staging
+    buffer per dtype, a broadcast from each rank, copied out. Mixed dtypes, inputs that are the own rows of
+    their outputs and inputs of their own. Returns (right rows, every allocation of at least a row's bytes
+    while it ran, the staging buffers' sizes expected, bytes the staging holds after the wait)."""
+    comm = Comm()
+    sizes, dtypes = (700, 1500, 300, 200), (torch.float32, torch.bfloat16, torch.float32, torch.float16)
+    expected = [torch.cat([(torch.arange(k, dtype=torch.float32) + 10 * r).to(dt) for r in range(world_size)])
+                for k, dt in zip(sizes, dtypes)]
+    outputs = [torch.full((world_size * k,), float("nan"), dtype=dt) for k, dt in zip(sizes, dtypes)]
+    inputs = []
+    for j, (out, k, dt) in enumerate(zip(outputs, sizes, dtypes)):
+        mine = (torch.arange(k, dtype=torch.float32) + 10 * rank).to(dt)
+        if j % 2 == 0:  # own row, in place
+            out.view(world_size, -1)[rank].copy_(mine)
+            mine = out.view(world_size, -1)[rank]
+        inputs.append(mine)
+    staged = []
+    original = dist.broadcast
+
+    def keeping(tensor, *args, **kwargs):
+        staged.append(tensor)
+        return original(tensor, *args, **kwargs)
+
+    dist.broadcast = keeping
+    try:
+        seen = _allocations(lambda: comm.all_gather_many(outputs, inputs, coalesce=True).wait())
+    finally:
+        dist.broadcast = original
+    per_dtype = {}
+    for k, dt in zip(sizes, dtypes):
+        per_dtype[dt] = per_dtype.get(dt, 0) + world_size * k * torch.empty((), dtype=dt).element_size()
+    right = all(torch.equal(o, e) for o, e in zip(outputs, expected))
+    min_row = 200 * 2  # the smallest row, 200 fp16 elements (TORCH_DISTRIBUTED_DEBUG=DETAIL's checks allocate less)
+    return (right, sorted(n for n, _ in seen if n >= min_row), sorted(per_dtype.values()),
+            [t.untyped_storage().nbytes() for t in staged], len(staged))
 
 
 def _callers_buffers(rank, world_size):
@@ -211,19 +250,21 @@ def _gather_allocations(rank, world_size):
 
 
 def _logging(calls: list):
-    """Log this rank's all-to-alls and all-gathers ("a2a", "ag") of float tensors as torch.distributed sees
-    them issued (not debug mode's int64 checks), with their outputs; returns a function that puts torch's back."""
-    originals = {name: getattr(dist, name) for name in ("all_to_all_single", "all_gather_single")}
+    """Log this rank's all-to-alls, all-gathers and broadcasts ("a2a", "ag", "bc") of float tensors as
+    torch.distributed sees them issued (not debug mode's int64 checks), with their outputs and sizes; returns a
+    function that puts torch's back."""
+    originals = {name: getattr(dist, name) for name in ("all_to_all_single", "all_gather_single", "broadcast")}
 
     def log(name, tag):
         def wrapper(*args, **kwargs):
             if args[0].is_floating_point():
-                calls.append((tag, args[0]))
+                calls.append((tag, args[0], args[0].numel()))  # numel now: a lent alias is emptied after
             return originals[name](*args, **kwargs)
         return wrapper
 
     dist.all_to_all_single = log("all_to_all_single", "a2a")
     dist.all_gather_single = log("all_gather_single", "ag")
+    dist.broadcast = log("broadcast", "bc")
     return lambda: [setattr(dist, name, f) for name, f in originals.items()]
 
 
@@ -243,8 +284,8 @@ def _all_reduce_sequences(rank, world_size):
     finally:
         restore()
     buckets = len(engine.groups)  # one all-reduce per group of buckets (stages/ddp.py [Note: all-reduce groups])
-    out["stage0"] = dict(buckets=buckets, tags=[tag for tag, _ in calls], in_backward=in_backward,
-                         received=[_nbytes(t) for tag, t in calls if tag == "a2a"])
+    out["stage0"] = dict(buckets=buckets, tags=[tag for tag, _, _ in calls], in_backward=in_backward,
+                         received=[_nbytes(t) for tag, t, _ in calls if tag == "a2a"])
     # another kind of collective issues the waiting halves first; waits in any order; debug mode checks them
     for debug in (False, True):
         comm = Comm(ordered=True, debug=debug)
@@ -261,7 +302,7 @@ def _all_reduce_sequences(rank, world_size):
             restore()
         out[("interleaved", debug)] = dict(
             right=torch.equal(a, torch.full((3 * n,), total)) and torch.equal(b, torch.full((2 * n,), 2 * total))
-            and norm.item() == n, calls=[(tag, t.numel()) for tag, t in calls])
+            and norm.item() == n, calls=[(tag, numel) for tag, _, numel in calls])
     return out
 
 
@@ -273,7 +314,8 @@ def results(tmp_path_factory):
 def test_temporaries_are_freed_when_their_collective_completes(results):
     for rank, out in enumerate(results):
         for case, (correct, nbytes) in ((c, v) for c, v in out.items()
-                                        if c not in ("sequences", "gathers", "in_place", "arrived", "callers")):
+                                        if c not in ("sequences", "gathers", "in_place", "arrived", "callers",
+                                                     "packed")):
             assert correct, (rank, case)
             assert nbytes, (rank, case, "nothing captured")
             assert nbytes == [0] * len(nbytes), (rank, case, nbytes)
@@ -316,15 +358,15 @@ def test_stages_1_and_2_gather_their_updated_shards_in_place(results):
 
 def test_the_all_gather_halves_of_stage0_go_out_together_after_the_last_all_to_all(results):
     """Stage 0 at 3 ranks: each all-reduce group's all-to-all in backward as the group fills, then the groups'
-    all-gathers, one per group (coalesced), still in backward; every receive buffer freed by then."""
+    all-gathers together, still in backward: on gloo one packed gather, a broadcast from each rank (core/comm.py
+    [Note: gloo's all-gather temporary]); every receive buffer freed by then."""
     for rank, out in enumerate(results):
         seq = out["sequences"]["stage0"]
         buckets = seq["buckets"]
         assert buckets > 3, "the case must exercise several all-reduce groups"
         # the first all-gather after the all-to-alls; torch's coalescing may add its own calls, never an all-to-all
         assert seq["tags"][:buckets] == ["a2a"] * buckets, (rank, seq["tags"])
-        assert set(seq["tags"][buckets:seq["in_backward"]]) == {"ag"}, (rank, seq["tags"])
-        assert seq["tags"][buckets:seq["in_backward"]].count("ag") == buckets, (rank, seq["tags"])
+        assert seq["tags"][buckets:seq["in_backward"]] == ["bc"] * len(results), (rank, seq["tags"])
         assert seq["received"] == [0] * buckets, (rank, seq["received"])
         assert results[0]["sequences"]["stage0"]["tags"] == seq["tags"], "every rank issues the same sequence"
 
@@ -336,9 +378,22 @@ def test_another_collective_issues_the_waiting_all_gathers_first(results, debug)
     for rank, out in enumerate(results):
         case = out["sequences"][("interleaved", debug)]
         n = len(results)
-        # all-to-alls (N·3 and N·2 elements in), the halves' all-gathers, then the scalars' (N,) gather
-        assert case["calls"] == [("a2a", 3 * n), ("a2a", 2 * n), ("ag", 3 * n), ("ag", 2 * n), ("ag", n)], (rank, case)
+        # all-to-alls (N·3 and N·2 elements in), the halves' gathers packed (N broadcasts of 3 + 2 elements),
+        # then the scalars' (N,) gather
+        assert case["calls"] == [("a2a", 3 * n), ("a2a", 2 * n)] + [("bc", 5)] * n + [("ag", n)], (rank, case)
         assert case["right"], (rank, case)
+
+
+def test_several_gathers_go_packed_with_one_staging_buffer_per_dtype(results):
+    """Several outputs in one group on gloo: one (N, Σ m) staging buffer per dtype, nothing else of a row's size
+    allocated (gloo's coalesced gather also concatenated the inputs and received into a buffer of its own), a
+    broadcast from each rank per buffer, right rows (in place or not), and the staging freed by the wait."""
+    for rank, out in enumerate(results):
+        right, allocated, staging, after, broadcasts = out["packed"]
+        assert right, rank
+        assert allocated == staging, (rank, allocated, staging)  # fp32 (700 + 300), bf16, fp16 rows
+        assert broadcasts == 3 * len(results), (rank, broadcasts)
+        assert after == [0] * broadcasts, (rank, after)
 
 
 def test_gathers_on_gloo_allocate_no_temporary(results):

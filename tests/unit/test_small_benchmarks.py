@@ -24,9 +24,9 @@ PROVENANCE = {"command", "date", "commit", "machine", "versions"}
 def test_gather_cost_times_both_ways_and_counts_what_they_allocate(tmp_path):
     """2 and 3 ranks, two sizes: a row per (ranks, size), the size rounded to a multiple of the ranks; the rows the
     two ways gather are checked equal inside the run; zerokit's broadcasts allocate nothing in flight, torch's
-    gather at least its output (gloo's buffer); the ratio is the times' ratio."""
+    gather at least its output (gloo's buffer); the ratio is the times' ratio. Then three outputs at once."""
     argv = ["--nproc", "2", "3", "--numel", "100", "30000", "--calls", "3", "--rounds", "1",
-            "--out", str(tmp_path / "gc")]
+            "--many", "600", "1200", "3000", "--out", str(tmp_path / "gc")]
     assert gather_cost.main(argv) == 0
     record = json.loads((tmp_path / "gc.json").read_text())
     md = (tmp_path / "gc.md").read_text()
@@ -40,6 +40,16 @@ def test_gather_cost_times_both_ways_and_counts_what_they_allocate(tmp_path):
         assert row["allocated"][zk_way] == 0, row
         assert row["allocated"][torch_way] >= row["output_bytes"], row
     assert "| 3 | 30,000 |" in md and record["commit"] in md
+    # several outputs at once: zerokit's packed gather allocates its staging buffer (the outputs' bytes) and
+    # nothing else; torch's coalesced one at least that and the concatenated inputs
+    torch_many, zk_many = gather_cost.MANY_WAYS
+    assert [(r["world_size"], r["outputs"], r["output_bytes"]) for r in record["many"]] == [(2, 3, 19200),
+                                                                                           (3, 3, 19200)]
+    for row in record["many"]:
+        assert row["allocated"][zk_many] == row["output_bytes"], row
+        assert row["allocated"][torch_many] >= row["output_bytes"] * (1 + 1 / row["world_size"]), row
+        assert row["ratio"] == pytest.approx(row["ms"][zk_many] / row["ms"][torch_many])
+    assert "## Several outputs at once (3: 600, 1,200, 3,000 fp32 elements)" in md
 
 
 @pytest.mark.timeout(120)

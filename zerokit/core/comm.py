@@ -42,7 +42,8 @@ run apart. A bucket's all-to-all is issued when the bucket is ready. Its rows ar
 this rank's own range of the bucket as soon as they have arrived, which frees the (B,) receive
 buffer early: checked without blocking whenever the next bucket is issued (local work, which
 may happen at different moments on different ranks). The all-gathers of the sums of every
-waiting bucket are issued together, one coalesced collective, at the first wait() on any of them
+waiting bucket are issued together, in one round (on gloo one packed gather: [Note: gloo's all-gather
+temporary]), at the first wait() on any of them
 (the end of backward), or before any other kind of collective is recorded: points every rank
 reaches at the same place in its sequence of collectives, so the sequences still match.
 Measured against the two ways tried before (4 gloo ranks, small GPT, 2 cores,
@@ -79,13 +80,11 @@ benchmarks/where_peak.py). A caller's buffer cannot be freed by zerokit (user co
 view of `.grad`, and reading freed storage crashes), so on gloo a collective is handed an alias of
 each caller tensor (`Comm._lend`: a new tensor over the same storage) and, once it has completed,
 the alias is pointed at an empty storage (`set_()`): the Work then holds no bytes of the caller's,
-and the caller's last reference frees them, on its own thread. Every reduce-scatter and all-reduce
-is lent this way, and the broadcasts of a gloo all-gather; gloo's own all-gather (coalesced, or
-one by one under TORCH_DISTRIBUTED_DEBUG=DETAIL) is not: torch makes views of its output that
-the Work keeps. Its outputs are buffers a stage keeps (stage 0's buckets, whose ordered all-reduce
-ends in one; stages 1-2's flat parameters) or frees with `free_storage` (stage 3's units). Not on NCCL: its Work
-keeps its tensors alive until the CPU has seen the collective complete on its stream, which the
-caching allocator relies on.
+and the caller's last reference frees them, on its own thread. Every reduce-scatter, all-reduce
+and gather zerokit issues on gloo is lent this way (a gather is broadcasts there: [Note: gloo's
+all-gather temporary]); only `all_reduce_scalars`' few-element gather is torch's own, whose Work
+keeps views it made itself. Not on NCCL: its Work keeps its tensors alive until the CPU has seen
+the collective complete on its stream, which the caching allocator relies on.
 
 [Note: gloo's all-gather temporary]
 gloo's all-gather receives into a flat buffer of its own, the size of the output, allocated when
@@ -99,15 +98,24 @@ FSDP2's 17.75). So on gloo an all-gather that is not coalesced is N broadcasts, 
 of the output, all issued at once: each in place, nothing allocated, the same rows moved to the
 same ranks, the same bits (copies, no arithmetic). benchmarks/gather_cost.py measures the two side
 by side (results/gather_cost.md): torch's allocates twice the output while the broadcasts allocate
-nothing, and take 0.73-1.01x its time at 2, 4 and 8 ranks. A coalesced gather (several outputs
-in one round of latency, which small buckets need: 10 of 46k floats at 2 ranks took 9-11 ms one by
-one, 4-7 ms coalesced) pays gloo's temporaries for all of them at once: the concatenated inputs and
-one buffer of every output's size, Ψp(1 + 1/N) for stages 1-2's gather of the updated parameters,
-which made that gather their step's peak (benchmarks/sweep.py, 14.3M parameters: stage 1's peak
-minus its model states was exactly that, 81.6 MiB at N = 2, 68.0 at N = 4). So on gloo outputs are
-coalesced only in consecutive groups of at most GLOO_COALESCE_NUMEL elements, where latency is what
-a gather costs; an output that would be a group on its own goes out as broadcasts. On NCCL, which
-receives in place, every gather stays an all-gather.
+nothing, and take 0.73-1.01x its time at 2, 4 and 8 ranks. Several outputs gathered together
+(stages 1-2's buckets after the step, the all-gather halves of stage 0's ordered all-reduces) need
+one round of latency, not one per output (10 of 46k floats at 2 ranks took 9-11 ms one by one, 4-7
+ms coalesced). gloo's coalesced all-gather, which zerokit used for them, paid its temporaries for
+all of them at once, the concatenated inputs and one buffer of every output's size, Ψp(1 + 1/N) for
+stages 1-2's gather of the updated parameters, which made that gather their step's peak
+(benchmarks/sweep.py, 14.3M parameters: stage 1's peak minus its model states was exactly that,
+81.6 MiB at N = 2, 68.0 at N = 4). On gloo such a group is now packed (`Comm._packed_broadcasts`):
+this rank's inputs are copied into its row of one (N, Σ m_i) staging buffer per dtype, row r is
+broadcast from rank r, then every output's rows are copied out and the staging is freed: the copies
+gloo's gather made (inputs in, rows out) without its concatenated inputs, so Ψp instead of
+Ψp(1 + 1/N), and N broadcasts instead of gloo's all-gather, the quicker exchange
+(benchmarks/gather_cost.py, "several outputs at once": stages 1-2's 8 buckets of the small GPT).
+Outputs are still grouped in consecutive runs of at most GLOO_COALESCE_NUMEL elements, which bounds
+the staging; an output that would be a group on its own goes out as broadcasts into its own rows,
+with no staging at all. Under TORCH_DISTRIBUTED_DEBUG=DETAIL nothing changes on gloo: broadcasts are
+collectives torch checks one by one. On NCCL, which receives in place, every gather stays an
+all-gather.
 
 [Note: finishing what has arrived]
 An asynchronous reduce-scatter's temporaries (the ordered recipes' receive buffer, the native
@@ -127,11 +135,10 @@ depends on timing (benchmarks/sweep.py, 14.3M parameters, N = 4: stage 2's peak 
 [Note: in-place gathers]
 An all-gather's input may be this rank's own row of its output (`output.view(N, -1)[rank]`), as
 stages 1 and 2 gather their updated shards after the step: the shard is already where the gather
-puts it, so no copy of it is made. Every path reads the input before it writes that row: gloo's
-coalesced gather first flattens the inputs into a buffer of its own and copies into the outputs
-after the exchange, its single gather (under TORCH_DISTRIBUTED_DEBUG=DETAIL) likewise receives
-into its own buffer and copies out, the broadcasts of [Note: gloo's all-gather temporary] send
-row r from rank r in place, NCCL gathers in place when the input is the rank's slice of the output
+puts it, so no copy of it is made. Every path reads the input before it writes that row: the packed
+gather of [Note: gloo's all-gather temporary] copies the inputs into its staging buffer before
+anything is sent and copies every row out after, its broadcasts of a single output send row r from
+rank r in place, NCCL gathers in place when the input is the rank's slice of the output
 (as FSDP2's gathers do), and the simulated path copies the row first. Any other overlap between
 input and output is refused. The all-gather half of an ordered all-reduce is one too (the summed
 range is the rank's own row of the bucket). Against a clone of every shard, then a coalesced gather (stage 1's
@@ -190,7 +197,8 @@ if dist.is_available():
     import torch.distributed.nn  # noqa: F401
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-GLOO_COALESCE_NUMEL = 1 << 20  # the most output elements one coalesced gloo gather takes: [Note: gloo's all-gather temporary]
+GLOO_COALESCE_NUMEL = 1 << 20  # the most output elements one packed gloo gather takes: [Note: gloo's all-gather
+# temporary]
 
 
 class Handle:
@@ -272,11 +280,13 @@ def profiled(name: str):
 
 
 class _Works:
-    """Several torch.distributed Works waited for as one; `lent`: the aliases they hold (`Comm._lend`)."""
+    """Several torch.distributed Works waited for as one; `lent`: the aliases they hold (`Comm._lend`);
+    `finishes`: run once every Work has completed (copying a packed gather out)."""
 
-    def __init__(self, works: list, lent=()):
+    def __init__(self, works: list, lent=(), finishes=()):
         self.works = works
         self.lent = lent
+        self.finishes = finishes
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self.works)
@@ -284,8 +294,10 @@ class _Works:
     def wait(self) -> None:
         for work in self.works:
             work.wait()
+        for finish in self.finishes:
+            finish()
         _take_back(self.lent)
-        self.lent = ()
+        self.lent, self.finishes = (), ()
 
 
 def _coalesce_groups(numels: list[int], limit: int) -> list[list[int]]:
@@ -300,6 +312,14 @@ def _coalesce_groups(numels: list[int], limit: int) -> list[list[int]]:
             groups.append([i])
             total = n
     return groups
+
+
+def _by_dtype(group: list[int], outputs: list[torch.Tensor]) -> list[list[int]]:
+    """`group`'s indices split by their output's dtype (first-seen order), so that each part packs into one buffer."""
+    parts: dict[torch.dtype, list[int]] = {}
+    for i in group:
+        parts.setdefault(outputs[i].dtype, []).append(i)
+    return list(parts.values())
 
 
 def _torch_checks_each_collective() -> bool:
@@ -494,12 +514,11 @@ class Comm:
         waited for as one. Asynchronous; each is recorded and counted as its own all-gather, all of them
         (and their debug-mode checks) before any is issued.
 
-        `coalesce`: as one coalesced collective, one round of latency instead of one per buffer (gloo,
-        10 buffers of 46k floats at 2 ranks: 9-11 ms separately, 4-7 ms coalesced). Its price on gloo:
-        the coalesced gather concatenates the inputs and gathers into one temporary buffer of every
-        output's size before copying out (Σ outputs + Σ inputs more bytes while it runs), so a caller
+        `coalesce`: in one round of latency instead of one per buffer (gloo, 10 buffers of 46k floats at
+        2 ranks: 9-11 ms separately, 4-7 ms coalesced). Its price on gloo: a staging buffer of the
+        group's outputs' size while it runs (packed: [Note: gloo's all-gather temporary]), so a caller
         whose gathers come at its peak (stage 3's units in backward) passes False: then on gloo each
-        output is gathered by broadcasts, with no temporary ([Note: gloo's all-gather temporary]). Under
+        output is gathered by broadcasts into its own rows, with no temporary. On NCCL under
         TORCH_DISTRIBUTED_DEBUG=DETAIL they are never coalesced: torch's checks of every collective (a
         barrier and a comparison before each) skip coalesced ones, so a rank issuing something else
         beside a coalesced gather would hang there instead of being reported."""
@@ -521,17 +540,16 @@ class Comm:
         if self.backend == "gloo":  # [Note: gloo's all-gather temporary]
             numels = [output.numel() for output in outputs]
             limit = GLOO_COALESCE_NUMEL if coalesce else 0
-            detail = _torch_checks_each_collective()  # its checks skip coalesced collectives: one by one
-            works, lent = [], []
+            works, lent, finishes = [], [], []
             for group in _coalesce_groups(numels, limit):
-                if len(group) == 1 and (not detail or numels[group[0]] > limit):
+                if len(group) == 1:
                     works += self._broadcast_rows(outputs[group[0]], inputs[group[0]], lent)
-                elif detail:
-                    works += [dist.all_gather_single(outputs[i], inputs[i], group=self.group, async_op=True)
-                              for i in group]
                 else:
-                    works.append(self._coalesced_gather([outputs[i] for i in group], [inputs[i] for i in group]))
-            return _Works(works, lent)
+                    for same in _by_dtype(group, outputs):  # one staging buffer per dtype
+                        issued, finish = self._packed_broadcasts([outputs[i] for i in same], [inputs[i] for i in same])
+                        works += issued
+                        finishes.append(finish)
+            return _Works(works, lent, finishes)
         if not coalesce or len(outputs) == 1 or _torch_checks_each_collective():
             return _Works([dist.all_gather_single(output, input, group=self.group, async_op=True)
                            for output, input in zip(outputs, inputs)])
@@ -542,6 +560,29 @@ class Comm:
             for output, input in zip(outputs, inputs):
                 dist.all_gather_single(output, input, group=self.group)
         return coalesced
+
+    def _packed_broadcasts(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]):
+        """Several all-gathers in one round on gloo ([Note: gloo's all-gather temporary]): this rank's inputs
+        packed into row `rank` of an (N, Σ m_i) staging buffer, row r broadcast from rank r, then each output's
+        rows copied out of it. Returns (works issued, the copy-out to run once they have completed)."""
+        n = self.world_size
+        staging = torch.empty(n, sum(input.numel() for input in inputs), dtype=outputs[0].dtype,
+                              device=outputs[0].device)  # transient: the group's outputs' size
+        torch.cat([input.reshape(-1) for input in inputs], out=staging[self.rank])  # read before any row is written
+        rows = [self._lend(row) for row in staging]  # staging is freed below anyway; the lent rows hold no bytes
+        works = [dist.broadcast(row, src=self._global_rank(r), group=self.group, async_op=True)
+                 for r, row in enumerate(rows)]
+
+        def copy_out():
+            offset = 0
+            for output, input in zip(outputs, inputs):
+                m = input.numel()
+                output.view(n, -1).copy_(staging[:, offset:offset + m])  # the own row too: its input's values
+                offset += m
+            free_storage(staging)  # [Note: frees at a fixed point]
+            _take_back(rows)
+
+        return works, copy_out
 
     def _broadcast_rows(self, output: torch.Tensor, input: torch.Tensor, lent: list) -> list:
         """An all-gather as N broadcasts in place, rank r's from row r of `output` (works, issued); the rows
@@ -760,7 +801,7 @@ class Comm:
 
     def _issue_second_halves(self) -> None:
         """Every waiting ordered all-reduce gets its all-gather: rows summed (waiting for the all-to-alls
-        still running), then one coalesced all-gather of all the sums, each into its own buffer. Called
+        still running), then one gather of all the sums in one round (`_gather_many`), each into its own buffer. Called
         from the first wait() on one of them, or before any other collective is recorded: points every
         rank reaches at the same place in its sequence of collectives ([Note: ordered reduction])."""
         halves = list(self._second_halves)
