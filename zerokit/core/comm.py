@@ -81,8 +81,9 @@ view of `.grad`, and reading freed storage crashes), so on gloo a collective is 
 each caller tensor (`Comm._lend`: a new tensor over the same storage) and, once it has completed,
 the alias is pointed at an empty storage (`set_()`): the Work then holds no bytes of the caller's,
 and the caller's last reference frees them, on its own thread. Every reduce-scatter, all-reduce
-and gather zerokit issues on gloo is lent this way (a gather is broadcasts there: [Note: gloo's
-all-gather temporary]); only `all_reduce_scalars`' few-element gather is torch's own, whose Work
+and gather zerokit issues on gloo is lent this way (a gather is broadcasts there, into the
+caller's rows or into a staging buffer zerokit frees itself: [Note: gloo's all-gather
+temporary]); only `all_reduce_scalars`' few-element gather is torch's own, whose Work
 keeps views it made itself. Not on NCCL: its Work keeps its tensors alive until the CPU has seen
 the collective complete on its stream, which the caching allocator relies on.
 
@@ -288,9 +289,6 @@ class _Works:
         self.lent = lent
         self.finishes = finishes
 
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
     def wait(self) -> None:
         for work in self.works:
             work.wait()
@@ -458,7 +456,7 @@ class Comm:
                 return self._ordered_all_reduce(tensor, async_op, rec)
             lent = self._lend(tensor)
             work = dist.all_reduce(lent, op=_OPS[op], group=self.group, async_op=async_op)
-            return self._handle(work, async_op, lent)
+            return self._handle(work, async_op, (lent,))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
                        phase: str | None = None, label: str | None = None) -> Handle:
@@ -485,7 +483,7 @@ class Comm:
                     output.copy_(result)
                     free_storage(result)  # [Note: frees at a fixed point]
 
-                return self._handle(work, async_op, lent, finish)
+                return self._handle(work, async_op, (lent,), finish)
             out = self._lend(output)
             work = dist.reduce_scatter_single(out, lent, group=self.group, async_op=async_op)
             return self._handle(work, async_op, (lent, out))
@@ -569,9 +567,9 @@ class Comm:
         staging = torch.empty(n, sum(input.numel() for input in inputs), dtype=outputs[0].dtype,
                               device=outputs[0].device)  # transient: the group's outputs' size
         torch.cat([input.reshape(-1) for input in inputs], out=staging[self.rank])  # read before any row is written
-        rows = [self._lend(row) for row in staging]  # staging is freed below anyway; the lent rows hold no bytes
-        works = [dist.broadcast(row, src=self._global_rank(r), group=self.group, async_op=True)
-                 for r, row in enumerate(rows)]
+        # zerokit's own buffer, freed below by free_storage whoever else holds it: nothing to lend
+        works = [dist.broadcast(staging[r], src=self._global_rank(r), group=self.group, async_op=True)
+                 for r in range(n)]
 
         def copy_out():
             offset = 0
@@ -580,7 +578,6 @@ class Comm:
                 output.view(n, -1).copy_(staging[:, offset:offset + m])  # the own row too: its input's values
                 offset += m
             free_storage(staging)  # [Note: frees at a fixed point]
-            _take_back(rows)
 
         return works, copy_out
 
@@ -733,7 +730,7 @@ class Comm:
 
         lent = self._lend(input)
         work = dist.all_to_all_single(received, lent, group=self.group, async_op=async_op)
-        return self._handle(work, async_op, lent, finish)
+        return self._handle(work, async_op, (lent,), finish)
 
     def _exchange_halves(self, output, input, async_op) -> Handle:
         """The ordered reduce-scatter at N = 2 ([Note: ordered reduction]): each rank sends only the
@@ -754,13 +751,12 @@ class Comm:
         lent = self._lend(halves[peer])
         work = dist.all_to_all_single(received, lent, output_split_sizes=splits, input_split_sizes=splits,
                                       group=self.group, async_op=async_op)
-        return self._handle(work, async_op, lent, finish)
+        return self._handle(work, async_op, (lent,), finish)
 
-    def _handle(self, work, async_op: bool, lent, finish=None) -> Handle:
+    def _handle(self, work, async_op: bool, lent: tuple, finish=None) -> Handle:
         """The Handle of a collective just issued; waited for at once (its finish run, its aliases taken
-        back) when it was synchronous. `lent`: an alias from `_lend`, or a tuple of them."""
-        handle = Handle(work if async_op else None, finish, comm=self,
-                        lent=lent if isinstance(lent, tuple) else (lent,))
+        back) when it was synchronous. `lent`: the aliases from `_lend` it was handed."""
+        handle = Handle(work if async_op else None, finish, comm=self, lent=lent)
         if not async_op:
             handle.wait()
         return handle
