@@ -46,16 +46,6 @@ def pairs_of(stages: list[int]) -> list[tuple[int, str]]:
     return [(stage, peer) for stage in stages for peer, _ in S.PEERS[stage] if (stage, peer) not in S.REFERENCES]
 
 
-def _timed(loop: S.Loop, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """One step of `loop` as speed_vs_torch.py's `_timed_steps` times it: (ms, loss)."""
-    train_step, zero_grad, _ = loop
-    start = time.perf_counter()
-    loss = train_step(x, y)
-    zero_grad()
-    value = float(loss.detach())
-    return 1e3 * (time.perf_counter() - start), value
-
-
 def paired_rank(rank: int, world_size: int, cfg: dict) -> dict:
     """For each (stage, peer): both built once, then `steps` pairs of steps in turns, the order swapped every pair.
     Returns "stage|peer" -> {"zerokit": [ms], "peer": [ms], "zerokit_loss": [...], "peer_loss": [...]}."""
@@ -68,7 +58,8 @@ def paired_rank(rank: int, world_size: int, cfg: dict) -> dict:
         record = {"zerokit": [], "peer": [], "zerokit_loss": [], "peer_loss": []}
         for i, (x, y) in enumerate(batches):
             for name in (("zerokit", "peer") if i % 2 == 0 else ("peer", "zerokit")):
-                ms, loss = _timed(loops[name], x, y)
+                train_step, zero_grad, _ = loops[name]
+                ms, loss = S.timed_step(train_step, zero_grad, x, y, device)  # as speed_vs_torch.py times a step
                 record[name].append(ms)
                 record[f"{name}_loss"].append(loss)
         out[f"{stage}|{peer}"] = record

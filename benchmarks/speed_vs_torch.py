@@ -294,23 +294,39 @@ def _timed_steps(cfg: dict, rank: int, world_size: int, device: torch.device,
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     losses, times, held = [], [], {}
+
+    def read_memory() -> None:
+        held.update(memory())
+
     for i, (x, y) in enumerate(batches):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        loss = train_step(x, y)
-        if i == len(batches) - 1:
-            pause = time.perf_counter()
-            held = memory()  # not part of the step: its time is taken out below
-            start += time.perf_counter() - pause
-        zero_grad()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the step's kernels, not just their launch
-        loss_value = float(loss.detach())  # a sync point on every device; inside the timed region
-        times.append(1e3 * (time.perf_counter() - start))
+        ms, loss_value = timed_step(train_step, zero_grad, x, y, device,
+                                    between=read_memory if i == len(batches) - 1 else None)
+        times.append(ms)
         losses.append(loss_value)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return {"losses": losses, "step_ms": times, "peak_bytes": peak, "memory": held}
+
+
+def timed_step(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], zero_grad: Callable[[], None],
+               x: torch.Tensor, y: torch.Tensor, device: torch.device,
+               between: Callable[[], None] | None = None) -> tuple[float, float]:
+    """One step as every run here is timed: (milliseconds, loss). The optimizer step, then `zero_grad()`,
+    then reading the loss (a sync point on every device) are inside the timed region; `between()` runs
+    after the optimizer step and before zero_grad, its time taken out (benchmarks/paired_steps.py times
+    its pairs with this too)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    loss = train_step(x, y)
+    if between is not None:
+        pause = time.perf_counter()
+        between()  # not part of the step
+        start += time.perf_counter() - pause
+    zero_grad()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the step's kernels, not just their launch
+    loss_value = float(loss.detach())  # a sync point on every device; inside the timed region
+    return 1e3 * (time.perf_counter() - start), loss_value
 
 
 @contextlib.contextmanager
