@@ -1,4 +1,4 @@
-"""What an all-gather costs on gloo: torch's all-gather beside zerokit's (N broadcasts into the output's rows).
+"""What an all-gather costs on gloo: torch's all-gather beside zerokit's (into the output's rows, in place).
 
     python benchmarks/gather_cost.py                   # 2, 4 and 8 gloo ranks, three sizes, and several outputs at once
     python benchmarks/gather_cost.py --nproc 2 4 8 --numel 15744 111840 1048576 --calls 200 --rounds 5 \
@@ -7,14 +7,17 @@
 core/comm.py [Note: gloo's all-gather temporary]: gloo's all-gather receives into a buffer of its
 own, the output's size, for as long as the collective runs, and torch's wrapper allocates and frees
 another as the gather is issued. zerokit gathers on gloo (when it does not coalesce several outputs
-into one collective) by N broadcasts, rank r's from row r of the output, in place.
+into one collective) into the output's rows in place: N broadcasts, rank r's from row r of the output,
+or at 2 ranks one all-to-all (this rank's row to the peer, the peer's into its row). At 2 ranks the
+broadcasts, zerokit's way before, are timed beside it ("zerokit, N broadcasts": the same Comm with
+`_fill_rows_from_ranks` issuing broadcasts at every world size); at 3+ ranks they are zerokit's way.
 
 Several outputs at once (`--many`: by default the 8 buckets stages 1 and 2 gather after the step for the
 `small` model, 463,008 elements): torch's coalesced all-gather (gloo concatenates the inputs, gathers
 into one buffer of every output's size, copies out), which zerokit used before, beside zerokit's
 packed gather (`Comm.all_gather_many`: the inputs copied into this rank's row of one staging buffer,
-a broadcast from each rank, the rows copied out), the inputs being each rank's own rows of the outputs
-as at stages 1-2.
+the other rows filled from their ranks as above, the rows copied out), the inputs being each rank's own
+rows of the outputs as at stages 1-2; at 2 ranks also packed with broadcasts, as before.
 
 For each world size, one spawn; for each output size (111,840 elements: one Block of the `small`
 model, a stage-3 unit), each way is timed as `--calls` asynchronous gathers, each waited for before
@@ -44,8 +47,26 @@ from zerokit.core.comm import Comm  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
 from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
 
-WAYS = ("torch all_gather_into_tensor", "zerokit Comm.all_gather")
-MANY_WAYS = ("torch coalesced all-gather", "zerokit Comm.all_gather_many (packed)")
+WAYS = ("torch all_gather_into_tensor", "zerokit Comm.all_gather", "zerokit, N broadcasts")
+MANY_WAYS = ("torch coalesced all-gather", "zerokit Comm.all_gather_many (packed)", "zerokit packed, N broadcasts")
+BEFORE = (WAYS[2], MANY_WAYS[2])
+OUTPUT, OUTPUTS = "output (fp32 elements)", "outputs (bytes in all)"  # timed at 2 ranks only: at 3+ they are zerokit's way
+
+
+def _broadcasts(comm: Comm, rows: list[torch.Tensor]) -> list:
+    """Every row filled by a broadcast from its rank, at every world size: zerokit's way at 2 ranks before."""
+    return [dist.broadcast(row, src=comm._global_rank(r), group=comm.group, async_op=True)
+            for r, row in enumerate(rows)]
+
+
+def _comms(world_size: int) -> tuple[Comm, Comm | None]:
+    """zerokit's Comm, and at 2 ranks one whose gathers fill rows by broadcasts (None at 3+ ranks)."""
+    comm = Comm()
+    if world_size != 2:
+        return comm, None
+    before = Comm()
+    before._fill_rows_from_ranks = lambda rows: _broadcasts(before, rows)
+    return comm, before
 
 
 def _gather(way: str, comm: Comm, output: torch.Tensor, shard: torch.Tensor) -> None:
@@ -100,14 +121,16 @@ def cost_rank(rank: int, world_size: int, cfg: dict) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor's rename, torch 2.13
-    comm = Comm()
+    comm, before = _comms(world_size)
+    ways = WAYS if before else WAYS[:2]
     out = {}
     for numel in cfg["numel"]:
         shard = torch.randn(numel // world_size, generator=torch.Generator().manual_seed(rank))
         output = torch.empty(shard.numel() * world_size)
-        calls_of = {way: (lambda way=way: _gather(way, comm, output, shard)) for way in WAYS}
+        calls_of = {way: (lambda way=way: _gather(way, before if way in BEFORE else comm, output, shard))
+                    for way in ways}
         expected = None
-        for way in WAYS:  # right rows, and warm
+        for way in ways:  # right rows, and warm
             output.fill_(float("nan"))
             for _ in range(3):
                 calls_of[way]()
@@ -116,16 +139,16 @@ def cost_rank(rank: int, world_size: int, cfg: dict) -> dict:
             assert torch.equal(output, expected), way
         times = timed_rounds(calls_of, cfg["calls"], cfg["rounds"])
         dist.barrier()
-        out[numel] = {"ms": times, "allocated": {way: allocated_while(calls_of[way]) for way in WAYS},
+        out[numel] = {"ms": times, "allocated": {way: allocated_while(calls_of[way]) for way in ways},
                       "output_bytes": output.numel() * output.element_size()}
     if cfg["many"]:
-        out["many"] = _many(rank, world_size, comm, cfg)
+        out["many"] = _many(rank, world_size, comm, before, cfg)
     return out
 
 
-def _many(rank: int, world_size: int, comm: Comm, cfg: dict) -> dict:
-    """Several outputs gathered at once, each input this rank's own row of its output: both ways timed and
-    their in-flight allocations summed, the outputs checked equal."""
+def _many(rank: int, world_size: int, comm: Comm, before: Comm | None, cfg: dict) -> dict:
+    """Several outputs gathered at once, each input this rank's own row of its output: every way timed and
+    its in-flight allocations summed, the outputs checked equal."""
     g = torch.Generator().manual_seed(rank)
     outputs = [torch.empty(numel) for numel in cfg["many"]]
     inputs = [output.view(world_size, -1)[rank] for output in outputs]
@@ -133,54 +156,45 @@ def _many(rank: int, world_size: int, comm: Comm, cfg: dict) -> dict:
         shard.copy_(torch.randn(shard.numel(), generator=g))
     calls_of = {MANY_WAYS[0]: lambda: comm._coalesced_gather(outputs, inputs).wait(),
                 MANY_WAYS[1]: lambda: comm.all_gather_many(outputs, inputs).wait()}
+    if before is not None:
+        calls_of[MANY_WAYS[2]] = lambda: before.all_gather_many(outputs, inputs).wait()
     results = []
-    for way in MANY_WAYS:
+    for way in calls_of:
+        for o in outputs:  # every other rank's row is written by the gather
+            for r in range(world_size):
+                if r != rank:
+                    o.view(world_size, -1)[r].fill_(float("nan"))
         for _ in range(3):
             calls_of[way]()
         results.append(torch.cat(outputs))
-    assert torch.equal(results[0], results[1])
+    assert all(torch.equal(results[0], other) for other in results[1:])
     times = timed_rounds(calls_of, cfg["calls"], cfg["rounds"])
     dist.barrier()
-    return {"ms": times, "allocated": {way: allocated_while(calls_of[way]) for way in MANY_WAYS},
+    return {"ms": times, "allocated": {way: allocated_while(call) for way, call in calls_of.items()},
             "output_bytes": sum(output.numel() * output.element_size() for output in outputs),
             "outputs": len(outputs)}
 
 
-def summarize_many(per_rank: list[dict], world_size: int) -> dict:
-    ms = {way: slowest_rank_median([rank["many"]["ms"][way] for rank in per_rank]) for way in MANY_WAYS}
-    return {"world_size": world_size, "outputs": per_rank[0]["many"]["outputs"],
-            "output_bytes": per_rank[0]["many"]["output_bytes"], "ms": ms, "ratio": ms[MANY_WAYS[1]] / ms[MANY_WAYS[0]],
-            "allocated": {way: max(rank["many"]["allocated"][way] for rank in per_rank) for way in MANY_WAYS}}
+def summarize(measured: list[dict], world_size: int) -> dict:
+    """One row from every rank's measurement of the same thing (`ms` and `allocated`, way -> ...)."""
+    ways = list(measured[0]["ms"])
+    ms = {way: slowest_rank_median([m["ms"][way] for m in measured]) for way in ways}
+    return {"world_size": world_size, "output_bytes": measured[0]["output_bytes"], "ms": ms,
+            "ratio": ms[ways[1]] / ms[ways[0]],
+            "allocated": {way: max(m["allocated"][way] for m in measured) for way in ways}}
 
 
-def many_table(rows: list[dict]) -> list[str]:
-    lines = ["| ranks | outputs (bytes in all) | torch coalesced ms | zerokit packed ms | ratio (zk / torch) "
+def table(rows: list[dict], ways: tuple[str, ...], first: str) -> list[str]:
+    """`first`: the first column's heading, from each row's "what"."""
+    torch_way, zk, before = ways
+    lines = [f"| ranks | {first} | torch ms | zerokit ms | ratio (zk / torch) | zerokit by broadcasts ms "
              "| bytes allocated in flight, torch | zerokit |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['world_size']} | {r['outputs']} ({r['output_bytes']:,}) | {r['ms'][MANY_WAYS[0]]:.3f} | "
-                     f"{r['ms'][MANY_WAYS[1]]:.3f} | {r['ratio']:.2f} | {r['allocated'][MANY_WAYS[0]]:,} | "
-                     f"{r['allocated'][MANY_WAYS[1]]:,} |")
-    return lines
-
-
-def summarize(per_rank: list[dict], world_size: int) -> list[dict]:
-    rows = []
-    for numel in (k for k in per_rank[0] if k != "many"):
-        ms = {way: slowest_rank_median([rank[numel]["ms"][way] for rank in per_rank]) for way in WAYS}
-        rows.append({"world_size": world_size, "numel": numel, "output_bytes": per_rank[0][numel]["output_bytes"],
-                     "ms": ms, "ratio": ms[WAYS[1]] / ms[WAYS[0]],
-                     "allocated": {way: max(rank[numel]["allocated"][way] for rank in per_rank) for way in WAYS}})
-    return rows
-
-
-def table(rows: list[dict]) -> list[str]:
-    lines = ["| ranks | output (fp32 elements) | torch all-gather ms | zerokit broadcasts ms | ratio (zk / torch) "
-             "| bytes allocated in flight, torch | zerokit |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['world_size']} | {r['numel']:,} | {r['ms'][WAYS[0]]:.3f} | {r['ms'][WAYS[1]]:.3f} | "
-                     f"{r['ratio']:.2f} | {r['allocated'][WAYS[0]]:,} | {r['allocated'][WAYS[1]]:,} |")
+        ms = r["ms"]
+        by_broadcasts = f"{ms[before]:.3f}" if before in ms else "(zerokit's way)"
+        lines.append(f"| {r['world_size']} | {r['what']} | {ms[torch_way]:.3f} | {ms[zk]:.3f} | {r['ratio']:.2f} | "
+                     f"{by_broadcasts} | {r['allocated'][torch_way]:,} | {r['allocated'][zk]:,} |")
     return lines
 
 
@@ -205,12 +219,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg = {"numel": [k - k % n for k in args.numel], "calls": args.calls, "rounds": args.rounds,
                "many": [k - k % n for k in args.many]}
         per_rank = run_ranks(cost_rank, n, cfg, timeout_s=args.timeout)
-        rows += summarize(per_rank, n)
+        for numel in cfg["numel"]:
+            rows.append({**summarize([rank[numel] for rank in per_rank], n), "numel": numel, "what": f"{numel:,}"})
         if args.many:
-            many.append(summarize_many(per_rank, n))
+            row = summarize([rank["many"] for rank in per_rank], n)
+            many.append({**row, "outputs": per_rank[0]["many"]["outputs"],
+                         "what": f"{per_rank[0]['many']['outputs']} ({row['output_bytes']:,})"})
     result = {**record, "config": {"calls": args.calls, "rounds": args.rounds, "many": args.many},
               "seconds": round(time.perf_counter() - start, 1), "rows": rows, "many": many}
-    print("\n".join(table(rows) + ([""] + many_table(many) if many else [])))
+    print("\n".join(table(rows, WAYS, OUTPUT) + ([""] + table(many, MANY_WAYS, OUTPUTS) if many else [])))
     write_pair(args.out, result, _markdown(result))
     return 0
 
@@ -221,23 +238,27 @@ def _markdown(r: dict) -> str:
         "# What an all-gather costs on gloo", "", *provenance_lines(r),
         f"- each way: {c['rounds']} rounds of {c['calls']} asynchronous gathers (each waited for before the next), "
         "rounds alternating which way goes first; a round counts at its slowest rank; medians of the rounds",
-        "", *table(r["rows"]), "",
-        "\"torch all-gather\": `dist.all_gather_into_tensor(output, shard, async_op=True).wait()`. \"zerokit "
-        "broadcasts\": `Comm.all_gather(output, shard, async_op=True).wait()`, which on gloo issues N broadcasts "
-        "into the output's rows (core/comm.py [Note: gloo's all-gather temporary]); both give the same bits. "
-        "\"Bytes allocated in flight\": every allocation torch.profiler records during one gather and its wait "
-        "(issuing thread and gloo's workers), summed: torch's is two buffers of the output's size (the wrapper's, "
-        "freed at once, and gloo's receive buffer, live while the gather runs); the broadcasts write in place.",
+        "", *table(r["rows"], WAYS, OUTPUT), "",
+        "\"torch\": `dist.all_gather_into_tensor(output, shard, async_op=True).wait()`. \"zerokit\": "
+        "`Comm.all_gather(output, shard, async_op=True).wait()`, which on gloo fills the output's rows in place: "
+        "at 2 ranks one all-to-all (this rank's row to the peer, the peer's into its row), at 3+ ranks N "
+        "broadcasts, rank r's from row r (core/comm.py [Note: gloo's all-gather temporary]). \"zerokit by "
+        "broadcasts\": the same Comm issuing N broadcasts at 2 ranks too, zerokit's way there before. All give "
+        "the same bits. \"Bytes allocated in flight\": every allocation torch.profiler records during one gather "
+        "and its wait (issuing thread and gloo's workers), summed: torch's is two buffers of the output's size "
+        "(the wrapper's, freed at once, and gloo's receive buffer, live while the gather runs); zerokit's write "
+        "in place.",
         *([] if not r.get("many") else [
             "", f"## Several outputs at once ({len(c['many'])}: {', '.join(f'{k:,}' for k in c['many'])} "
             "fp32 elements)",
-            "", *many_table(r["many"]), "",
+            "", *table(r["many"], MANY_WAYS, OUTPUTS), "",
             "\"torch coalesced\": the outputs' `all_gather_into_tensor`s in one "
             "`torch.distributed._coalescing_manager` "
             "(what zerokit's stages 1-2 used after the step before): gloo concatenates the inputs, gathers into one "
             "buffer of every output's size and copies the rows out. \"zerokit packed\": `Comm.all_gather_many` (core/"
             "comm.py [Note: gloo's all-gather temporary]): the inputs copied into this rank's row of one (N, Σ m) "
-            "staging buffer, one broadcast from each rank, the rows copied out, the staging freed. Each input is "
+            "staging buffer, the other rows filled from their ranks (at 2 ranks one all-to-all; \"by broadcasts\": one "
+            "broadcast from each rank, as before), the rows copied out, the staging freed. Each input is "
             "this rank's own row of its output, as at stages 1-2; both give the same bits (checked in the "
             "run)."])]) + "\n"
 

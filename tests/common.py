@@ -1,5 +1,5 @@
 """Shared by the distributed tests: the odd model, its data, reference training loops, and the collectives'
-checks that run at more than one world size (`callers_buffers_cases`).
+checks that run at more than one world size (`callers_buffers_cases`, `allocations_while`).
 
 The odd model has every shape that breaks naive flattening: odd sizes such as (7, 15),
 a frozen parameter, an embedding tied to the output head, a 1-element parameter and a
@@ -144,6 +144,27 @@ def train_zerokit(rank: int, world_size: int, stage: int, optimizer_cls, opt_kwa
         loss = train_step(engine, micro_batches, lambda batch: engine(*batch), clip=clip).loss
         losses.append(loss.float().clone())
     return torch.stack(losses), engine.state_dict(full=True), engine
+
+
+def allocations_while(fn) -> list[tuple[int, str]]:
+    """(bytes, op) of every allocation torch.profiler sees while `fn` runs: this thread's, and gloo's worker
+    threads' (they run a collective with the issuing thread's profiler state)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    found = []
+
+    def walk(node, parent):
+        if type(node.extra_fields).__name__ == "_ExtraFields_Allocation":
+            if node.extra_fields.alloc_size > 0:
+                found.append((node.extra_fields.alloc_size, parent))
+        for child in node.children:
+            walk(child, node.name)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, "")
+    return found
 
 
 def storage_refs(storage) -> int:

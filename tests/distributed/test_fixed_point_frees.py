@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import zerokit as zk
-from common import OddBlock, callers_buffers_cases, odd_batch, odd_model
+from common import OddBlock, allocations_while, callers_buffers_cases, odd_batch, odd_model
 import zerokit.core.comm as comm_module
 from zerokit.core.comm import Comm
 from zerokit.core.grad_reduce import GradReduction
@@ -126,7 +126,7 @@ def _packed_gathers(rank, world_size):
 
     dist.broadcast = keeping
     try:
-        seen = _allocations(lambda: comm.all_gather_many(outputs, inputs, coalesce=True).wait())
+        seen = allocations_while(lambda: comm.all_gather_many(outputs, inputs, coalesce=True).wait())
     finally:
         dist.broadcast = original
     per_dtype = {}
@@ -188,27 +188,6 @@ def _finishing_what_has_arrived(rank, world_size):
     return out
 
 
-def _allocations(fn) -> list[tuple[int, str]]:
-    """(bytes, op) of every allocation torch.profiler sees while `fn` runs: this thread's, and gloo's worker
-    threads' (they run a collective with the issuing thread's profiler state)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    found = []
-
-    def walk(node, parent):
-        if type(node.extra_fields).__name__ == "_ExtraFields_Allocation":
-            if node.extra_fields.alloc_size > 0:
-                found.append((node.extra_fields.alloc_size, parent))
-        for child in node.children:
-            walk(child, node.name)
-
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root, "")
-    return found
-
-
 def _gather_allocations(rank, world_size):
     """core/comm.py [Note: gloo's all-gather temporary]: a gather that is not coalesced, or coalesced but
     larger than GLOO_COALESCE_NUMEL, allocates nothing on gloo, however it is called (one output, several, in
@@ -219,19 +198,19 @@ def _gather_allocations(rank, world_size):
         shard = torch.arange(1000, dtype=torch.float32).to(dtype) + 1000 * rank
         expected = torch.cat([torch.arange(1000, dtype=torch.float32).to(dtype) + 1000 * r for r in range(world_size)])
         full = torch.empty(1000 * world_size, dtype=dtype)
-        seen = _allocations(lambda: comm.all_gather(full, shard, async_op=True).wait())
+        seen = allocations_while(lambda: comm.all_gather(full, shard, async_op=True).wait())
         in_place = torch.zeros(1000 * world_size, dtype=dtype)
         mine = in_place[rank * 1000:(rank + 1) * 1000]
         mine.copy_(shard)
-        seen += _allocations(lambda: comm.all_gather(in_place, mine))
+        seen += allocations_while(lambda: comm.all_gather(in_place, mine))
         outputs = [torch.empty(world_size * k, dtype=dtype) for k in (700, 1500)]
         inputs = [torch.full((k,), float(rank), dtype=dtype) for k in (700, 1500)]
-        seen += _allocations(lambda: comm.all_gather_many(outputs, inputs, coalesce=False).wait())
+        seen += allocations_while(lambda: comm.all_gather_many(outputs, inputs, coalesce=False).wait())
         # coalesced, each output above the group limit: broadcasts too (the limit made small for the test)
         limit, comm_module.GLOO_COALESCE_NUMEL = comm_module.GLOO_COALESCE_NUMEL, 1000
         try:
             big = [torch.empty(world_size * k, dtype=dtype) for k in (700, 1500)]
-            seen += _allocations(lambda: comm.all_gather_many(big, inputs, coalesce=True).wait())
+            seen += allocations_while(lambda: comm.all_gather_many(big, inputs, coalesce=True).wait())
         finally:
             comm_module.GLOO_COALESCE_NUMEL = limit
         right = (torch.equal(full, expected) and torch.equal(in_place, expected)
@@ -244,7 +223,7 @@ def _gather_allocations(rank, world_size):
     x, y = odd_batch(0, 3, rank, world_size)
     engine.backward(engine(x, y))
     unit_bytes = min(flat.numel() * flat.element_size() for unit in engine.units for flat in unit.flat_data)
-    seen = _allocations(lambda: engine.backward(engine(x, y)))
+    seen = allocations_while(lambda: engine.backward(engine(x, y)))
     out["stage 3"] = (True, [(n, op) for n, op in seen if "gather" in op and n >= unit_bytes])
     return out
 

@@ -7,15 +7,18 @@ output is this rank's half of the input, as at stage 1) and one into an output o
 and 3) are checked bit for bit against the N-row recipe used at 3+ ranks and against the sum computed
 from both ranks' inputs; the all-to-all is watched: it sends only the peer's half, receives into a
 buffer of the output's size (the N-row recipe's is the input's), and that buffer's storage is freed
-by the time wait() returns. In-place gathers, every path (one output: broadcasts on gloo; several:
-coalesced, or not; simulated), give the rows a gather of separate inputs gives; an input that overlaps
-its output anywhere else is refused before anything is issued.
+by the time wait() returns. In-place gathers, every path (one output: on gloo at 2 ranks one all-to-all;
+several: coalesced, or not; simulated), give the rows a gather of separate inputs gives; an input that
+overlaps its output anywhere else is refused before anything is issued. A gather at 2 ranks is watched too
+(core/comm.py [Note: gloo's all-gather temporary]): one all-to-all per output (or per packed group), no
+broadcast, the own row sent as it is and the peer's received in place, nothing allocated beside a packed
+group's staging.
 """
 import pytest
 import torch
 import torch.distributed as dist
 
-from common import callers_buffers_cases
+from common import allocations_while, callers_buffers_cases
 from zerokit.core.comm import Comm, Simulated
 from zerokit.launch import run_ranks
 
@@ -59,6 +62,7 @@ def _cases(rank, world_size):
                 sent=[n for _, n in seen], received_numel=[t.numel() for t, _ in seen],
                 received_bytes_after=[t.untyped_storage().nbytes() for t, _ in seen])
     out["gathers"] = _in_place_gathers(rank, world_size)
+    out["exchanges"] = _gathers_by_exchange(rank, world_size)
     out["callers"] = callers_buffers_cases(rank, world_size)  # tests/common.py
     return out
 
@@ -98,6 +102,50 @@ def _in_place_gathers(rank, world_size):
     return dict(right=right, refused=refused)
 
 
+def _gathers_by_exchange(rank, world_size):
+    """What a 2-rank gather issues (all-to-alls: (what it receives into, the peer's row's address, what it
+    sends, this rank's own row's address); broadcasts counted) and allocates, for one output and for several,
+    packed or not; and whether the rows are right."""
+    comm, peer = Comm(), 1 - rank
+    sizes, dtypes = (700, 1500, 300), (torch.float32, torch.bfloat16, torch.float32)
+    out = {}
+    for case in ("one", "packed", "not packed"):
+        n = 1 if case == "one" else len(sizes)
+        outputs = [torch.full((2 * k,), float("nan"), dtype=dt) for k, dt in zip(sizes[:n], dtypes[:n])]
+        for o, k in zip(outputs, sizes):
+            o.view(2, -1)[rank].copy_(torch.arange(k) + 1000 * rank)
+        inputs = [o.view(2, -1)[rank] for o in outputs]
+        exchanges, broadcasts = [], []
+        originals = dist.all_to_all_single, dist.broadcast
+
+        def a2a(output, input, *args, **kwargs):
+            exchanges.append((output.numel(), output.data_ptr(), input.numel(), input.data_ptr()))
+            return originals[0](output, input, *args, **kwargs)
+
+        def broadcast(tensor, *args, **kwargs):
+            broadcasts.append(tensor.numel())
+            return originals[1](tensor, *args, **kwargs)
+
+        dist.all_to_all_single, dist.broadcast = a2a, broadcast
+        try:
+            if case == "one":
+                seen = allocations_while(lambda: comm.all_gather(outputs[0], inputs[0], async_op=True).wait())
+            else:
+                seen = allocations_while(
+                    lambda: comm.all_gather_many(outputs, inputs, coalesce=case == "packed").wait())
+        finally:
+            dist.all_to_all_single, dist.broadcast = originals
+        rows = [(o.view(2, -1)[peer].numel(), o.view(2, -1)[peer].data_ptr(), o.view(2, -1)[rank].data_ptr())
+                for o in outputs]
+        right = all(torch.equal(o, torch.cat([torch.arange(k) + 1000 * r for r in range(2)]).to(o.dtype))
+                    for o, k in zip(outputs, sizes))
+        staging = sorted(2 * sum(k for k, d in zip(sizes, dtypes) if d == dt) * torch.empty((), dtype=dt).element_size()
+                         for dt in set(dtypes))
+        out[case] = dict(right=right, exchanges=exchanges, broadcasts=broadcasts, rows=rows, staging=staging,
+                         allocated=sorted(b for b, _ in seen if b >= 300 * 4))  # DETAIL's checks allocate less
+    return out
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     return run_ranks(_cases, 2, store_dir=str(tmp_path_factory.mktemp("rdzv")), timeout_s=120)
@@ -105,7 +153,7 @@ def results(tmp_path_factory):
 
 def test_two_ranks_exchange_halves_and_get_the_sums_bits(results):
     for rank, out in enumerate(results):
-        cases = {case: r for case, r in out.items() if case not in ("gathers", "callers")}
+        cases = {case: r for case, r in out.items() if case not in ("gathers", "callers", "exchanges")}
         assert len(cases) == 6
         for case, r in cases.items():
             assert r["right"] == [True, True, True], (rank, case, r["right"])
@@ -133,3 +181,23 @@ def test_a_completed_collective_at_two_ranks_holds_none_of_the_callers_bytes(res
         assert len(cases) == 16
         assert all(right for right, _ in cases.values()), (rank, cases)
         assert all(refs == 1 for _, refs in cases.values()), (rank, cases)
+
+
+def test_a_gather_at_two_ranks_is_one_exchange_in_place(results):
+    """One all-to-all per output (one per dtype when packed), never a broadcast: at 2 ranks one rendezvous fills
+    the peer's row (benchmarks/gather_cost.py: 2 broadcasts cost twice the time). Without packing the all-to-all
+    sends the own row where it lies and receives straight into the peer's row, allocating nothing; packed, the
+    one staging buffer per dtype is the only allocation of a row's size."""
+    for rank, out in enumerate(results):
+        cases = out["exchanges"]
+        for case, r in cases.items():
+            assert r["right"], (rank, case)
+            assert r["broadcasts"] == [], (rank, case, r["broadcasts"])
+        for case in ("one", "not packed"):
+            r = cases[case]
+            assert [(m, dst, k, src) for m, dst, k, src in r["exchanges"]] == [
+                (m, peer_row, m, own_row) for m, peer_row, own_row in r["rows"]], (rank, case, r)
+            assert r["allocated"] == [], (rank, case, r["allocated"])
+        packed = cases["packed"]
+        assert len(packed["exchanges"]) == 2, (rank, packed["exchanges"])  # fp32 and bf16 groups
+        assert packed["allocated"] == packed["staging"], (rank, packed["allocated"], packed["staging"])

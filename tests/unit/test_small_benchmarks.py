@@ -21,10 +21,11 @@ PROVENANCE = {"command", "date", "commit", "machine", "versions"}
 
 
 @pytest.mark.timeout(120)
-def test_gather_cost_times_both_ways_and_counts_what_they_allocate(tmp_path):
+def test_gather_cost_times_every_way_and_counts_what_they_allocate(tmp_path):
     """2 and 3 ranks, two sizes: a row per (ranks, size), the size rounded to a multiple of the ranks; the rows the
-    two ways gather are checked equal inside the run; zerokit's broadcasts allocate nothing in flight, torch's
-    gather at least its output (gloo's buffer); the ratio is the times' ratio. Then three outputs at once."""
+    ways gather are checked equal inside the run; zerokit's gathers allocate nothing in flight, torch's at least its
+    output (gloo's buffer); the ratio is the times' ratio; the broadcasts zerokit used at 2 ranks before are timed
+    there only (at 3 ranks they are zerokit's way). Then three outputs at once."""
     argv = ["--nproc", "2", "3", "--numel", "100", "30000", "--calls", "3", "--rounds", "1",
             "--many", "600", "1200", "3000", "--out", str(tmp_path / "gc")]
     assert gather_cost.main(argv) == 0
@@ -32,21 +33,25 @@ def test_gather_cost_times_both_ways_and_counts_what_they_allocate(tmp_path):
     md = (tmp_path / "gc.md").read_text()
     assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/gather_cost.py " + " ".join(argv)
     assert [(r["world_size"], r["numel"]) for r in record["rows"]] == [(2, 100), (2, 30000), (3, 99), (3, 30000)]
-    torch_way, zk_way = gather_cost.WAYS
+    torch_way, zk_way, before = gather_cost.WAYS
     for row in record["rows"]:
         assert row["output_bytes"] == 4 * row["numel"]
         assert row["ms"][torch_way] > 0 and row["ms"][zk_way] > 0
+        assert (before in row["ms"]) == (row["world_size"] == 2), row
         assert row["ratio"] == pytest.approx(row["ms"][zk_way] / row["ms"][torch_way])
         assert row["allocated"][zk_way] == 0, row
+        assert row["allocated"].get(before, 0) == 0, row
         assert row["allocated"][torch_way] >= row["output_bytes"], row
-    assert "| 3 | 30,000 |" in md and record["commit"] in md
+    assert "| 3 | 30,000 |" in md and "(zerokit's way)" in md and record["commit"] in md
     # several outputs at once: zerokit's packed gather allocates its staging buffer (the outputs' bytes) and
-    # nothing else; torch's coalesced one at least that and the concatenated inputs
-    torch_many, zk_many = gather_cost.MANY_WAYS
+    # nothing else, by all-to-all or by broadcasts; torch's coalesced one at least that and the concatenated inputs
+    torch_many, zk_many, before_many = gather_cost.MANY_WAYS
     assert [(r["world_size"], r["outputs"], r["output_bytes"]) for r in record["many"]] == [(2, 3, 19200),
                                                                                            (3, 3, 19200)]
     for row in record["many"]:
         assert row["allocated"][zk_many] == row["output_bytes"], row
+        assert row["allocated"].get(before_many, row["output_bytes"]) == row["output_bytes"], row
+        assert (before_many in row["ms"]) == (row["world_size"] == 2), row
         assert row["allocated"][torch_many] >= row["output_bytes"] * (1 + 1 / row["world_size"]), row
         assert row["ratio"] == pytest.approx(row["ms"][zk_many] / row["ms"][torch_many])
     assert "## Several outputs at once (3: 600, 1,200, 3,000 fp32 elements)" in md

@@ -81,9 +81,9 @@ view of `.grad`, and reading freed storage crashes), so on gloo a collective is 
 each caller tensor (`Comm._lend`: a new tensor over the same storage) and, once it has completed,
 the alias is pointed at an empty storage (`set_()`): the Work then holds no bytes of the caller's,
 and the caller's last reference frees them, on its own thread. Every reduce-scatter, all-reduce
-and gather zerokit issues on gloo is lent this way (a gather is broadcasts there, into the
-caller's rows or into a staging buffer zerokit frees itself: [Note: gloo's all-gather
-temporary]); only `all_reduce_scalars`' few-element gather is torch's own, whose Work
+and gather zerokit issues on gloo is lent this way (a gather is broadcasts there, or at N = 2 an
+all-to-all, into the caller's rows or into a staging buffer zerokit frees itself: [Note: gloo's
+all-gather temporary]); only `all_reduce_scalars`' few-element gather is torch's own, whose Work
 keeps views it made itself. Not on NCCL: its Work keeps its tensors alive until the CPU has seen
 the collective complete on its stream, which the caching allocator relies on.
 
@@ -95,27 +95,35 @@ gather is issued). An asynchronous gather therefore costs a second copy of its o
 as it is in flight. Stage 3's prefetch of the next unit in backward is in flight across the first
 ops of the current unit's backward, which is where a step peaks: benchmarks/where_peak.py found
 gloo's buffer there (`gloo:all_gather > aten::empty`, 0.44 MB of stage 3's 18.00 MB peak against
-FSDP2's 17.75). So on gloo an all-gather that is not coalesced is N broadcasts, rank r's from row r
-of the output, all issued at once: each in place, nothing allocated, the same rows moved to the
-same ranks, the same bits (copies, no arithmetic). benchmarks/gather_cost.py measures the two side
-by side (results/gather_cost.md): torch's allocates twice the output while the broadcasts allocate
-nothing, and take 0.73-1.01x its time at 2, 4 and 8 ranks. Several outputs gathered together
+FSDP2's 17.75). So on gloo an all-gather that is not coalesced fills the output's rows in place
+(`Comm._fill_rows_from_ranks`): N broadcasts, rank r's from row r of the output, all issued at once,
+or at N = 2 a single all-to-all that sends this rank's row to the peer and receives the peer's into
+its row (empty splits for the rank itself, as the N = 2 reduce-scatter of [Note: ordered reduction]).
+Either way nothing is allocated, the same rows move to the same ranks, the same bits (copies, no
+arithmetic). benchmarks/gather_cost.py measures them beside torch's gather (results/gather_cost.md):
+torch's allocates twice the output while zerokit's way allocates nothing; at 2 ranks the all-to-all
+takes @A2A@ of torch's time (the two broadcasts took 1.08-1.30x: gloo's rendezvous, not bytes, is the
+cost at these sizes), at 4 and 8 ranks the broadcasts take @BC@. An all-to-all does not pay at 3+
+ranks: it cannot send one row to several ranks, so the send buffer would hold N - 1 copies of it
+(measured at 4 ranks for stages 1-2's gather: 1.25x the broadcasts' time, and 2Ψp(N-1)/N bytes in
+flight). Several outputs gathered together
 (stages 1-2's buckets after the step, the all-gather halves of stage 0's ordered all-reduces) need
 one round of latency, not one per output (10 of 46k floats at 2 ranks took 9-11 ms one by one, 4-7
 ms coalesced). gloo's coalesced all-gather, which zerokit used for them, paid its temporaries for
 all of them at once, the concatenated inputs and one buffer of every output's size, Ψp(1 + 1/N) for
 stages 1-2's gather of the updated parameters, which made that gather their step's peak
 (benchmarks/sweep.py, 14.3M parameters: stage 1's peak minus its model states was exactly that,
-81.6 MiB at N = 2, 68.0 at N = 4). On gloo such a group is now packed (`Comm._packed_broadcasts`):
-this rank's inputs are copied into its row of one (N, Σ m_i) staging buffer per dtype, row r is
-broadcast from rank r, then every output's rows are copied out and the staging is freed: the copies
-gloo's gather made (inputs in, rows out) without its concatenated inputs, so Ψp instead of
-Ψp(1 + 1/N), and N broadcasts instead of gloo's all-gather, the quicker exchange
-(benchmarks/gather_cost.py, "several outputs at once": stages 1-2's 8 buckets of the small GPT).
+81.6 MiB at N = 2, 68.0 at N = 4). On gloo such a group is now packed (`Comm._packed_gather`):
+this rank's inputs are copied into its row of one (N, Σ m_i) staging buffer per dtype, the other
+rows are filled from their ranks as above, then the other ranks' rows are copied out (the own row
+too where an input is not its output's own row) and the staging is freed: the copies gloo's gather
+made (inputs in, rows out) without its concatenated inputs, so Ψp instead of Ψp(1 + 1/N), and one
+rendezvous (N = 2) or N broadcasts instead of gloo's all-gather (benchmarks/gather_cost.py,
+"several outputs at once": stages 1-2's 8 buckets of the small GPT: @MANY@).
 Outputs are still grouped in consecutive runs of at most GLOO_COALESCE_NUMEL elements, which bounds
-the staging; an output that would be a group on its own goes out as broadcasts into its own rows,
-with no staging at all. Under TORCH_DISTRIBUTED_DEBUG=DETAIL nothing changes on gloo: broadcasts are
-collectives torch checks one by one. On NCCL, which receives in place, every gather stays an
+the staging; an output that would be a group on its own is gathered into its own rows, with no
+staging at all. Under TORCH_DISTRIBUTED_DEBUG=DETAIL nothing changes on gloo: broadcasts and
+all-to-alls are collectives torch checks one by one. On NCCL, which receives in place, every gather stays an
 all-gather.
 
 [Note: finishing what has arrived]
@@ -516,7 +524,7 @@ class Comm:
         2 ranks: 9-11 ms separately, 4-7 ms coalesced). Its price on gloo: a staging buffer of the
         group's outputs' size while it runs (packed: [Note: gloo's all-gather temporary]), so a caller
         whose gathers come at its peak (stage 3's units in backward) passes False: then on gloo each
-        output is gathered by broadcasts into its own rows, with no temporary. On NCCL under
+        output is gathered into its own rows (broadcasts, or at N = 2 one all-to-all), with no temporary. On NCCL under
         TORCH_DISTRIBUTED_DEBUG=DETAIL they are never coalesced: torch's checks of every collective (a
         barrier and a comparison before each) skip coalesced ones, so a rank issuing something else
         beside a coalesced gather would hang there instead of being reported."""
@@ -541,10 +549,10 @@ class Comm:
             works, lent, finishes = [], [], []
             for group in _coalesce_groups(numels, limit):
                 if len(group) == 1:
-                    works += self._broadcast_rows(outputs[group[0]], inputs[group[0]], lent)
+                    works += self._gather_rows(outputs[group[0]], inputs[group[0]], lent)
                 else:
                     for same in _by_dtype(group, outputs):  # one staging buffer per dtype
-                        issued, finish = self._packed_broadcasts([outputs[i] for i in same], [inputs[i] for i in same])
+                        issued, finish = self._packed_gather([outputs[i] for i in same], [inputs[i] for i in same])
                         works += issued
                         finishes.append(finish)
             return _Works(works, lent, finishes)
@@ -559,37 +567,53 @@ class Comm:
                 dist.all_gather_single(output, input, group=self.group)
         return coalesced
 
-    def _packed_broadcasts(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]):
+    def _packed_gather(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]):
         """Several all-gathers in one round on gloo ([Note: gloo's all-gather temporary]): this rank's inputs
-        packed into row `rank` of an (N, Σ m_i) staging buffer, row r broadcast from rank r, then each output's
-        rows copied out of it. Returns (works issued, the copy-out to run once they have completed)."""
+        packed into row `rank` of an (N, Σ m_i) staging buffer, the other rows filled from their ranks
+        (`_fill_rows_from_ranks`), then each output's rows copied out of it. Returns (works issued, the
+        copy-out to run once they have completed)."""
         n = self.world_size
         staging = torch.empty(n, sum(input.numel() for input in inputs), dtype=outputs[0].dtype,
                               device=outputs[0].device)  # transient: the group's outputs' size
         torch.cat([input.reshape(-1) for input in inputs], out=staging[self.rank])  # read before any row is written
         # zerokit's own buffer, freed below by free_storage whoever else holds it: nothing to lend
-        works = [dist.broadcast(staging[r], src=self._global_rank(r), group=self.group, async_op=True)
-                 for r in range(n)]
+        works = self._fill_rows_from_ranks(list(staging))
 
         def copy_out():
-            offset = 0
+            offset, me = 0, self.rank
             for output, input in zip(outputs, inputs):
-                m = input.numel()
-                output.view(n, -1).copy_(staging[:, offset:offset + m])  # the own row too: its input's values
+                m, rows = input.numel(), output.view(n, -1)
+                if rows[me].data_ptr() == input.data_ptr():  # in place: the own row holds its values already
+                    rows[:me].copy_(staging[:me, offset:offset + m])
+                    rows[me + 1:].copy_(staging[me + 1:, offset:offset + m])
+                else:
+                    rows.copy_(staging[:, offset:offset + m])  # the own row too: its input's values
                 offset += m
             free_storage(staging)  # [Note: frees at a fixed point]
 
         return works, copy_out
 
-    def _broadcast_rows(self, output: torch.Tensor, input: torch.Tensor, lent: list) -> list:
-        """An all-gather as N broadcasts in place, rank r's from row r of `output` (works, issued); the rows
-        they are lent go into `lent` ([Note: frees at a fixed point])."""
+    def _gather_rows(self, output: torch.Tensor, input: torch.Tensor, lent: list) -> list:
+        """An all-gather in place into `output`'s rows, row r from rank r (works, issued); the rows they are
+        lent go into `lent` ([Note: frees at a fixed point])."""
         assert output.dtype == input.dtype, (output.dtype, input.dtype)
         rows = output.view(self.world_size, -1)
         if rows[self.rank].data_ptr() != input.data_ptr():  # not already in place
             rows[self.rank].copy_(input.view(-1))
         rows = [self._lend(row) for row in rows]
         lent += rows
+        return self._fill_rows_from_ranks(rows)
+
+    def _fill_rows_from_ranks(self, rows: list[torch.Tensor]) -> list:
+        """Row r of `rows` (N equal rows, this rank's filled) filled from rank r on every rank, in place, nothing
+        allocated ([Note: gloo's all-gather temporary]): N broadcasts, row r from rank r; at N = 2 one all-to-all
+        instead, this rank's row to the peer and the peer's into its row, a single rendezvous (gloo, 2 ranks:
+        0.5 ms where the two broadcasts take 1.2, benchmarks/gather_cost.py). Returns the works, issued."""
+        if self.world_size == 2:
+            peer = 1 - self.rank
+            splits = [rows[peer].numel() if r == peer else 0 for r in range(2)]  # nothing to or from itself
+            return [dist.all_to_all_single(rows[peer], rows[self.rank], output_split_sizes=splits,
+                                           input_split_sizes=splits, group=self.group, async_op=True)]
         return [dist.broadcast(row, src=self._global_rank(r), group=self.group, async_op=True)
                 for r, row in enumerate(rows)]
 
