@@ -102,11 +102,11 @@ its row (empty splits for the rank itself, as the N = 2 reduce-scatter of [Note:
 Either way nothing is allocated, the same rows move to the same ranks, the same bits (copies, no
 arithmetic). benchmarks/gather_cost.py measures them beside torch's gather (results/gather_cost.md):
 torch's allocates twice the output while zerokit's way allocates nothing; at 2 ranks the all-to-all
-takes @A2A@ of torch's time (the two broadcasts took 1.08-1.30x: gloo's rendezvous, not bytes, is the
-cost at these sizes), at 4 and 8 ranks the broadcasts take @BC@. An all-to-all does not pay at 3+
-ranks: it cannot send one row to several ranks, so the send buffer would hold N - 1 copies of it
-(measured at 4 ranks for stages 1-2's gather: 1.25x the broadcasts' time, and 2Ψp(N-1)/N bytes in
-flight). Several outputs gathered together
+takes 0.73-0.93x torch's time and 0.62-0.88x the two broadcasts' that zerokit issued there before
+(0.57 against 0.92 ms at 15,744 elements: a rendezvous, not bytes, is the cost at these sizes), at 4
+and 8 ranks the broadcasts take 1.07-1.18x and 0.77-0.86x torch's time. Not an all-to-all at 3+ ranks: it
+cannot send one row to several ranks, so its send buffer would hold N - 1 copies of the row and its
+receive buffer N - 1 rows, where the broadcasts hold nothing. Several outputs gathered together
 (stages 1-2's buckets after the step, the all-gather halves of stage 0's ordered all-reduces) need
 one round of latency, not one per output (10 of 46k floats at 2 ranks took 9-11 ms one by one, 4-7
 ms coalesced). gloo's coalesced all-gather, which zerokit used for them, paid its temporaries for
@@ -119,7 +119,9 @@ rows are filled from their ranks as above, then the other ranks' rows are copied
 too where an input is not its output's own row) and the staging is freed: the copies gloo's gather
 made (inputs in, rows out) without its concatenated inputs, so Ψp instead of Ψp(1 + 1/N), and one
 rendezvous (N = 2) or N broadcasts instead of gloo's all-gather (benchmarks/gather_cost.py,
-"several outputs at once": stages 1-2's 8 buckets of the small GPT: @MANY@).
+"several outputs at once", stages 1-2's 8 buckets of the small GPT: at 2 ranks 0.88x the coalesced
+gather's time, the all-to-all 2.98 ms against the broadcasts' 3.05 in that run and 1.74-1.87 against
+2.08-2.27 in two `--nproc 2` runs after it; at 4 and 8 ranks 1.24x and 0.80x).
 Outputs are still grouped in consecutive runs of at most GLOO_COALESCE_NUMEL elements, which bounds
 the staging; an output that would be a group on its own is gathered into its own rows, with no
 staging at all. Under TORCH_DISTRIBUTED_DEBUG=DETAIL nothing changes on gloo: broadcasts and
@@ -608,7 +610,8 @@ class Comm:
         """Row r of `rows` (N equal rows, this rank's filled) filled from rank r on every rank, in place, nothing
         allocated ([Note: gloo's all-gather temporary]): N broadcasts, row r from rank r; at N = 2 one all-to-all
         instead, this rank's row to the peer and the peer's into its row, a single rendezvous (gloo, 2 ranks:
-        0.5 ms where the two broadcasts take 1.2, benchmarks/gather_cost.py). Returns the works, issued."""
+        0.57-0.84 ms where the two broadcasts took 0.92-1.08 at 16k-112k elements, benchmarks/gather_cost.py).
+        Returns the works, issued."""
         if self.world_size == 2:
             peer = 1 - self.rank
             splits = [rows[peer].numel() if r == peer else 0 for r in range(2)]  # nothing to or from itself
