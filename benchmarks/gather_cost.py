@@ -49,8 +49,8 @@ from _results import command_line, provenance, provenance_lines, write_pair  # n
 
 WAYS = ("torch all_gather_into_tensor", "zerokit Comm.all_gather", "zerokit, N broadcasts")
 MANY_WAYS = ("torch coalesced all-gather", "zerokit Comm.all_gather_many (packed)", "zerokit packed, N broadcasts")
-BEFORE = (WAYS[2], MANY_WAYS[2])
-OUTPUT, OUTPUTS = "output (fp32 elements)", "outputs (bytes in all)"  # timed at 2 ranks only: at 3+ they are zerokit's way
+BEFORE = (WAYS[2], MANY_WAYS[2])  # timed at 2 ranks only: at 3+ they are zerokit's way
+OUTPUT, OUTPUTS = "output (fp32 elements)", "outputs (bytes in all)"  # the tables' first column
 
 
 def _broadcasts(comm: Comm, rows: list[torch.Tensor]) -> list:
