@@ -1,5 +1,6 @@
 """Shared by the distributed tests: the odd model, its data, reference training loops, and the collectives'
-checks that run at more than one world size (`callers_buffers_cases`, `allocations_while`).
+checks that run at more than one world size (`callers_buffers_cases` and its assertion,
+`allocations_while`).
 
 The odd model has every shape that breaks naive flattening: odd sizes such as (7, 15),
 a frozen parameter, an embedding tied to the output head, a 1-element parameter and a
@@ -206,3 +207,13 @@ def callers_buffers_cases(rank: int, world_size: int) -> dict:
                 out[(ordered, way, async_op)] = (right, storage_refs(storage))
                 del handle
     return out
+
+
+def assert_callers_buffers_freed(results: list[dict]) -> None:
+    """Every rank's `callers_buffers_cases` (under "callers"): all 16 paths right, and 1 reference left on the
+    dropped input's storage (the check's own), so nothing but the caller held its bytes."""
+    for rank, out in enumerate(results):
+        cases = out["callers"]
+        assert len(cases) == 16
+        assert all(right for right, _ in cases.values()), (rank, cases)
+        assert all(refs == 1 for _, refs in cases.values()), (rank, cases)

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 import zerokit as zk
-from common import OddBlock, allocations_while, callers_buffers_cases, odd_batch, odd_model
+from common import (OddBlock, allocations_while, assert_callers_buffers_freed, callers_buffers_cases, odd_batch,
+                    odd_model)
 import zerokit.core.comm as comm_module
 from zerokit.core.comm import Comm
 from zerokit.core.grad_reduce import GradReduction
@@ -306,11 +307,7 @@ def test_a_completed_collective_holds_none_of_the_callers_bytes(results):
     gradient alive at the step boundary). On the old code 11 of the 16 cases failed here (2 or 3 references
     left): the Work kept the input (the others: gloo's native reduce-scatter keeps no reference to it, or the
     worker had let go by then)."""
-    for rank, out in enumerate(results):
-        cases = out["callers"]
-        assert len(cases) == 16
-        assert all(right for right, _ in cases.values()), (rank, cases)
-        assert all(refs == 1 for _, refs in cases.values()), (rank, cases)
+    assert_callers_buffers_freed(results)
 
 
 def test_a_completed_reduce_scatter_frees_its_buffer_before_the_next_is_issued(results):
