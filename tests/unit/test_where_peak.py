@@ -37,6 +37,6 @@ def test_stage3_beside_fsdp2_on_the_tiny_model(tmp_path):
     # clean-clone CI run counted the root unit's gradient (16,512 bytes) alive here.
     assert formula <= zk_run["boundary_bytes"] <= formula * 1.01
     # This thread's live blocks at the boundary hold at least the counter's bytes: a block freed on a gloo
-    # thread (gloo's own all-gather buffer, whose free has no event here) still counts in the groups, so
+    # thread (a collective's buffer whose free has no event on this thread) still counts in the groups, so
     # equality holds in some runs only (one CI run: 253,488 in the groups, 236,976 counted).
     assert sum(b for _, b in zk_run["boundary_groups"]) >= zk_run["boundary_bytes"]

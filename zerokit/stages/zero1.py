@@ -212,7 +212,7 @@ class Zero1Engine(Checkpointing, Engine):
         # Each input is this rank's own range of its output: an in-place gather, no copy of the shard
         # (core/comm.py [Note: in-place gathers]). Issued together: one round of latency, not one per
         # bucket (on gloo packed into one staging buffer per group of at most GLOO_COALESCE_NUMEL elements,
-        # and broadcast: [Note: gloo's all-gather temporary]).
+        # whose rows are filled from every rank: [Note: gloo's all-gather temporary]).
         self.comm.all_gather_many([self.flat_data[fp.index] for fp in self.trainable],
                                   [fp.shard_of(self.flat_data[fp.index]) for fp in self.trainable], phase="step",
                                   labels=[f"updated params of {fp.label}" for fp in self.trainable]).wait()
