@@ -23,6 +23,15 @@ it is complete; like torch FSDP this assumes every rank runs the same graph, so 
 completes them in the same order. Flat params still incomplete at the end of backward are
 released then, in index order, under both policies.
 
+[Note: unused parameters]
+A trainable parameter whose hook did not fire by the end of backward got no gradient on this
+rank: its place in the bucket keeps the zeros it was cleared to, the bucket is released and
+reduced with the others, so a parameter used on some ranks only gets the average as under
+DDP's `find_unused_parameters=True`. A parameter no rank used is the one difference: torch
+DDP leaves its `.grad` None and a torch optimizer skips it, while zerokit's optimizer steps
+whole flat buffers, so it takes a step with a zero gradient. The tracker names such
+parameters once (a warning) so that the user can freeze them.
+
 The end of backward is detected with autograd's queue_callback (the mechanism torch's
 DDP and FSDP use): the first hook of a backward (or the stage, through `begin_backward`,
 when something of its own runs first in backward) queues `_end_of_backward`, which runs
@@ -30,6 +39,7 @@ once the autograd engine has finished the whole graph.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -48,6 +58,7 @@ class GradReadyTracker:
         self.on_backward_end = on_backward_end
         self.on_first_grad = on_first_grad
         self.in_backward = False
+        self._warned: set[str] = set()  # parameters already named by _warn_unused
         self._handles = []
         self._reset()
         for k, fp in enumerate(self.flat_params):
@@ -110,12 +121,28 @@ class GradReadyTracker:
         self.on_bucket_ready(fp)
 
     def _end_of_backward(self) -> None:
+        self._warn_unused()
         # Buckets with a parameter that got no gradient this time: release them in order.
         for k in range(len(self.flat_params)):
             self._release(k)
         self._reset()
         self.in_backward = False
         self.on_backward_end()
+
+    def _warn_unused(self) -> None:
+        """Name, once per engine, trainable parameters this backward gave no gradient ([Note: unused parameters])."""
+        unused = [fp.names[j][0] for k, fp in enumerate(self.flat_params) for j in range(len(fp.params))
+                  if not self._seen[k][j] and fp.names[j][0] not in self._warned]
+        if not unused:
+            return
+        self._warned.update(unused)
+        warnings.warn(
+            f"zerokit: {len(unused)} trainable parameter(s) got no gradient on this rank in this backward "
+            f"({', '.join(repr(n) for n in unused[:4])}{', ...' if len(unused) > 4 else ''}). zerokit steps them with "
+            "the rest of their flat buffer, with the gradient the other ranks gave them or zeros: a parameter no rank "
+            "uses still takes a zero-gradient step (weight decay, momentum move it), where torch DDP leaves its .grad "
+            "None and a torch optimizer skips it. Freeze parameters the model never uses (p.requires_grad_(False)) "
+            "before zk.shard", stacklevel=2)
 
     def finish_if_pending(self) -> bool:
         """Run the end-of-backward logic now if a backward is half-done; True if it ran."""
