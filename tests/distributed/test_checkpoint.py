@@ -11,6 +11,7 @@ The global batch is fixed (GLOBAL_ROWS rows per step, split over the ranks), so 
 world sizes 2 and 3 see the same data.
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -332,3 +333,122 @@ def test_train_save_then_resume_continues_the_step_count_and_the_losses(ws2):
         assert t["first_step"] == 4 and len(t["first"]) == 4 and len(t["resumed"]) == 2
         assert t["first"] == t["straight"][:4]  # stages 2 and 3 agree bit for bit
         assert t["resumed"] == t["straight"][4:]
+
+
+# ---------------------------------------------------------------------- spawn 3: param groups, world size 2
+# "two": the usual no-decay group (weight_decay 0.0 for 1-D params, 0.1 for the rest); "one": one group at 0.1;
+# "two-other": the two groups built with other values (lr 1e-3 everywhere, weight_decay 0.05 for 1-D params).
+GROUP_RUNS = {"two": (lambda name, p: {"weight_decay": 0.0} if p.ndim < 2 else {}, {}),
+              "one": (None, {}),
+              "two-other": (lambda name, p: {"weight_decay": 0.05} if p.ndim < 2 else {}, dict(lr=1e-3))}
+# (saved run, loading engine, saved stage, loading stage)
+GROUP_LOADS = [("two", "one", 0, 0), ("two", "one", 3, 3), ("two", "one", 0, 3),  # refused: fewer groups
+               ("one", "two", 0, 0), ("one", "two", 3, 3), ("one", "two", 0, 3),  # restored: more groups
+               ("two", "two-other", 0, 0), ("two", "two-other", 3, 3),  # restored: other values, same groups
+               ("two", "two", 3, 3)]  # the same engine: nothing changes, nothing said
+
+
+def _groups_engine(run, stage, seed=0):
+    param_groups, kw = GROUP_RUNS[run]
+    return zk.shard(odd_model(seed), torch.optim.AdamW, stage=stage, bucket_numel=BUCKET, wrap=(OddBlock,),
+                    param_groups=param_groups, **{**dict(ADAMW[1]), **kw})
+
+
+def _hyperparameters(engine):
+    """{param name: {key: value}}: the numeric hyperparameters each parameter trains with now."""
+    out = {}
+    trainable = [fp for fp in engine.flat_params if fp.requires_grad]
+    for fp, master in zip(trainable, engine.optimizer.master_shards):
+        group = next(g for g in engine.optimizer.param_groups if any(m is master for m in g["params"]))
+        for names in fp.names:
+            out[names[0]] = {k: group[k] for k in ("lr", "weight_decay", "betas", "eps")}
+    return out
+
+
+def _cases_param_groups(rank, world_size, root):
+    import warnings
+    saved = {}  # (run, stage) -> directory, hyperparameters and the run's own continuation
+    for run in ("two", "one"):
+        for stage in (0, 3):
+            engine = _groups_engine(run, stage)
+            _train(engine, rank, world_size, 0, K)
+            directory = os.path.join(root, f"groups-{run}-s{stage}")
+            engine.save(directory)
+            hyper = _hyperparameters(engine)
+            losses, _ = _train(engine, rank, world_size, K, M)
+            saved[(run, stage)] = dict(directory=directory, hyper=hyper, losses=losses, params=_params(engine))
+    out = {}
+    for src, dst, src_stage, dst_stage in GROUP_LOADS:
+        ref = saved[(src, src_stage)]
+        engine = _groups_engine(dst, dst_stage, seed=1)
+        before = dict(params=_params(engine), hyper=_hyperparameters(engine))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            error = _expect_error(lambda: engine.load(ref["directory"]))
+        said = [str(w.message) for w in caught if "optimizer hyperparameters" in str(w.message)]
+        got = dict(error=error, warnings=said)
+        if error is not None:
+            got.update(untouched=not _equal_dicts(before["params"], _params(engine))
+                       and before["hyper"] == _hyperparameters(engine))
+        else:
+            hyper = _hyperparameters(engine)
+            losses, _ = _train(engine, rank, world_size, K, M)
+            got.update(hyper_mismatch=sorted(k for k in ref["hyper"] if ref["hyper"][k] != hyper[k]),
+                       losses=(losses, ref["losses"]), param_mismatch=_equal_dicts(_params(engine), ref["params"]))
+        out[(src, dst, src_stage, dst_stage)] = got
+    return out
+
+
+@pytest.fixture(scope="module")
+def groups(root, tmp_path_factory):
+    return run_ranks(_cases_param_groups, 2, root, store_dir=str(tmp_path_factory.mktemp("rdzv")), timeout_s=180)
+
+
+@pytest.mark.parametrize("case", [c for c in GROUP_LOADS if c[1] == "one"], ids=lambda c: "s{2}-to-s{3}".format(*c))
+def test_checkpoint_of_a_no_decay_group_into_one_group_is_refused_naming_parameters_and_values(groups, case):
+    """Saved with weight_decay 0.0 for 1-D params and 0.1 for the rest, loaded into an engine with one group:
+    its flat buffers mix both kinds, and one group holds one value, so the load refuses on every rank, naming
+    a parameter of each kind, both values and the fix; the engine (weights, hyperparameters) is untouched."""
+    for r, out in enumerate(groups):
+        got = out[case]
+        error = got["error"]
+        assert error is not None, (r, "loaded without complaint", got)
+        assert "rank 0:" in error and "rank 1:" in error, error
+        assert "weight_decay=0.0" in error and "weight_decay=0.1" in error, error
+        named = re.findall(r"'([\w.]+)' was saved with weight_decay=([\d.]+) and '([\w.]+)' with weight_decay=([\d.]+)",
+                           error)
+        assert len(named) == 2, error  # once per rank
+        one_d = {n for n, p in odd_model().named_parameters() if p.ndim < 2}
+        for a, a_value, b, b_value in named:  # two parameters of one group, each with the value it was saved with
+            assert {(a in one_d, a_value), (b in one_d, b_value)} == {(True, "0.0"), (False, "0.1")}, error
+        assert "param_groups of the run that saved the checkpoint" in error, error
+        assert got["untouched"] and got["warnings"] == [], (r, got)
+
+
+@pytest.mark.parametrize("case", [c for c in GROUP_LOADS if c[1] != "one"],
+                         ids=lambda c: "{0}-into-{1}-s{2}-to-s{3}".format(*c))
+def test_loaded_hyperparameters_are_each_parameters_saved_ones_and_training_continues_bitwise(groups, case):
+    """Loaded into an engine whose groups can carry the saved values (more groups than the saved run, or the
+    same groups with other values), every parameter trains with its saved lr and weight_decay, and M more
+    steps equal the saved run's own continuation bit for bit. Rank 0 warns once, naming each changed value;
+    an engine built like the saved run hears nothing."""
+    src, dst = case[:2]
+    for r, out in enumerate(groups):
+        got = out[case]
+        assert got["error"] is None, (r, got["error"])
+        assert got["hyper_mismatch"] == [], (r, got["hyper_mismatch"])
+        assert torch.equal(*got["losses"]), (r, got["losses"])
+        assert got["param_mismatch"] == [], (r, got["param_mismatch"])
+        if src == dst or r == 1:
+            assert got["warnings"] == [], (r, got["warnings"])
+            continue
+        assert len(got["warnings"]) == 1, got["warnings"]
+        said = got["warnings"][0]
+        # (key, old, new, 1-D params?, how many): the 7 trainable 1-D params, the 5 others (emb.weight is head's)
+        expected = {"two": [("weight_decay", "0.0", "0.1", True, 7)],
+                    "two-other": [("weight_decay", "0.05", "0.0", True, 7), ("lr", "0.001", "0.01", True, 7),
+                                  ("lr", "0.001", "0.01", False, 5)]}[dst]
+        one_d = {n for n, p in odd_model().named_parameters() if p.ndim < 2}
+        changes = re.findall(r"(\w+) ([\d.]+) -> ([\d.]+) for '([\w.]+)' and (\d+) other parameters", said)
+        assert sorted((k, a, b, name in one_d, int(n) + 1) for k, a, b, name, n in changes) == sorted(expected), said
+        assert said.startswith("zerokit: loading ") and "restored the optimizer hyperparameters it saved" in said
