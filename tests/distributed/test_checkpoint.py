@@ -207,8 +207,13 @@ def _cases_ws2(rank, world_size, root):
 
 
 # ---------------------------------------------------------------------- spawn 2: world size 3
-def _cases_ws3(rank, world_size, root, saved_opt):
-    out = {}
+def _cases_ws3(rank, world_size, root, saved_opt, groups_saved_hyper):
+    out = {"groups": {}}
+    for src, dst, src_stage, dst_stage in GROUP_LOADS_WS3:  # param groups across a world-size change
+        engine = _groups_engine(dst, dst_stage, seed=1)
+        error, said = _load_recording_warnings(engine, os.path.join(root, f"groups-{src}-s{src_stage}"))
+        out["groups"][(src, dst)] = dict(error=error, warnings=said, saved=groups_saved_hyper[(src, src_stage)],
+                                         hyper=_hyperparameters(engine))
     directory = os.path.join(root, "s3-fp32-adamw")  # written by 2 ranks at stage 3
     ref_engine = _engine(1)
     _train(ref_engine, rank, world_size, 0, K)
@@ -234,9 +239,10 @@ def ws2(root, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ws3(root, ws2, tmp_path_factory):
+def ws3(root, ws2, groups, tmp_path_factory):
     saved = ws2[0]["saved_opt_s3"]  # every rank gathered the same full optimizer state; take rank 0's
-    return run_ranks(_cases_ws3, 3, root, saved, store_dir=str(tmp_path_factory.mktemp("rdzv")), timeout_s=180)
+    return run_ranks(_cases_ws3, 3, root, saved, groups[0]["saved_hyper"], store_dir=str(tmp_path_factory.mktemp("rdzv")),
+                     timeout_s=180)
 
 
 @pytest.mark.parametrize("case", SAME, ids=lambda c: "-".join(map(str, c)))
@@ -346,6 +352,7 @@ GROUP_LOADS = [("two", "one", 0, 0), ("two", "one", 3, 3), ("two", "one", 0, 3),
                ("one", "two", 0, 0), ("one", "two", 3, 3), ("one", "two", 0, 3),  # restored: more groups
                ("two", "two-other", 0, 0), ("two", "two-other", 3, 3),  # restored: other values, same groups
                ("two", "two", 3, 3)]  # the same engine: nothing changes, nothing said
+GROUP_LOADS_WS3 = [("two", "one", 3, 1), ("one", "two", 0, 3)]  # saved by 2 ranks, loaded by 3
 
 
 def _groups_engine(run, stage, seed=0):
@@ -365,8 +372,16 @@ def _hyperparameters(engine):
     return out
 
 
-def _cases_param_groups(rank, world_size, root):
+def _load_recording_warnings(engine, directory):
+    """engine.load(directory) -> (the ValueError's text or None, the hyperparameter warnings it gave)."""
     import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        error = _expect_error(lambda: engine.load(directory))
+    return error, [str(w.message) for w in caught if "optimizer hyperparameters" in str(w.message)]
+
+
+def _cases_param_groups(rank, world_size, root):
     saved = {}  # (run, stage) -> directory, hyperparameters and the run's own continuation
     for run in ("two", "one"):
         for stage in (0, 3):
@@ -382,10 +397,7 @@ def _cases_param_groups(rank, world_size, root):
         ref = saved[(src, src_stage)]
         engine = _groups_engine(dst, dst_stage, seed=1)
         before = dict(params=_params(engine), hyper=_hyperparameters(engine))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            error = _expect_error(lambda: engine.load(ref["directory"]))
-        said = [str(w.message) for w in caught if "optimizer hyperparameters" in str(w.message)]
+        error, said = _load_recording_warnings(engine, ref["directory"])
         got = dict(error=error, warnings=said)
         if error is not None:
             got.update(untouched=not _equal_dicts(before["params"], _params(engine))
@@ -396,6 +408,7 @@ def _cases_param_groups(rank, world_size, root):
             got.update(hyper_mismatch=sorted(k for k in ref["hyper"] if ref["hyper"][k] != hyper[k]),
                        losses=(losses, ref["losses"]), param_mismatch=_equal_dicts(_params(engine), ref["params"]))
         out[(src, dst, src_stage, dst_stage)] = got
+    out["saved_hyper"] = {key: run["hyper"] for key, run in saved.items()}
     return out
 
 
@@ -452,3 +465,18 @@ def test_loaded_hyperparameters_are_each_parameters_saved_ones_and_training_cont
         changes = re.findall(r"(\w+) ([\d.]+) -> ([\d.]+) for '([\w.]+)' and (\d+) other parameters", said)
         assert sorted((k, a, b, name in one_d, int(n) + 1) for k, a, b, name, n in changes) == sorted(expected), said
         assert said.startswith("zerokit: loading ") and "restored the optimizer hyperparameters it saved" in said
+
+
+def test_hyperparameters_survive_a_world_size_change_or_are_refused_the_same_way(ws3):
+    """The param-group checkpoints written by 2 ranks, loaded by 3: a no-decay run into one group (stage 3 ->
+    1) is refused on every rank as at 2 ranks; a one-group run into the no-decay engine (stage 0 -> 3) gives
+    every parameter its saved hyperparameters, and only rank 0 says so."""
+    for r, out in enumerate(ws3):
+        refused = out["groups"][("two", "one")]
+        assert refused["error"] is not None and f"(raised on rank {r})" in refused["error"], refused["error"]
+        assert all(f"rank {q}: " in refused["error"] for q in range(3)), refused["error"]
+        assert "which holds one value" in refused["error"] and refused["warnings"] == [], refused
+        restored = out["groups"][("one", "two")]
+        assert restored["error"] is None, restored["error"]
+        assert restored["hyper"] == restored["saved"], r
+        assert len(restored["warnings"]) == (1 if r == 0 else 0), (r, restored["warnings"])
