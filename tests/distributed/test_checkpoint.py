@@ -1,11 +1,13 @@
 """engine.save / engine.load on gloo: resume bit for bit, and re-shard across world sizes, stages and precisions.
 
-Two spawns share one checkpoint directory. At world size 2 every stage trains K steps,
+Three spawns share one checkpoint directory. At world size 2 every stage trains K steps,
 saves, trains M more; a fresh engine (built from a different seed, so loading must
 overwrite everything) loads the checkpoint and trains the same M steps. The same spawn
 loads stage 3's checkpoint at stage 1 and stage 0's at stage 2, checks the error paths and
-runs `zerokit train --save/--resume`. At world size 3 the stage-3 checkpoint written by 2
-ranks is loaded at stages 1 and 3.
+runs `zerokit train --save/--resume`. A second 2-rank spawn saves runs with and without a no-decay
+param group and loads each into engines with other groups or values (checkpoint.py
+[Note: hyperparameters]). At world size 3 the stage-3 checkpoint written by 2 ranks is loaded
+at stages 1 and 3, and the param-group checkpoints too.
 
 The global batch is fixed (GLOBAL_ROWS rows per step, split over the ranks), so runs at
 world sizes 2 and 3 see the same data.
@@ -241,8 +243,8 @@ def ws2(root, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ws3(root, ws2, groups, tmp_path_factory):
     saved = ws2[0]["saved_opt_s3"]  # every rank gathered the same full optimizer state; take rank 0's
-    return run_ranks(_cases_ws3, 3, root, saved, groups[0]["saved_hyper"], store_dir=str(tmp_path_factory.mktemp("rdzv")),
-                     timeout_s=180)
+    return run_ranks(_cases_ws3, 3, root, saved, groups[0]["saved_hyper"],
+                     store_dir=str(tmp_path_factory.mktemp("rdzv")), timeout_s=180)
 
 
 @pytest.mark.parametrize("case", SAME, ids=lambda c: "-".join(map(str, c)))
