@@ -86,6 +86,19 @@ passed) refuse too. Then the stage's `load_flat_params` writes the full values i
 storage (whole buffers at stages 0-2, this rank's shards at stage 3), and the masters and
 optimizer state of this rank's range are installed. A rank holds one full fp32 copy of the
 model while loading (4Ψ bytes), the price of reading a plain model file.
+
+[Note: hyperparameters]
+meta.json records each optimizer param group's numeric hyperparameters (numbers and tuples of
+numbers: lr, betas, eps, weight_decay, momentum, ...) with the names of its parameters. A load
+restores them per parameter, as torch's Optimizer.load_state_dict does: each of the engine's
+groups takes the values its parameters were saved with, whatever values or `param_groups` the
+engine was built with, and rank 0 warns once, naming each value that changed and the parameters
+it applies to. A group steps whole flat buffers, so it holds one value per hyperparameter: when
+parameters saved with different values share one of the engine's groups (a run saved with a
+no-decay group, loaded into an engine without one), the load refuses on every rank, naming two
+of them, their values and the fix (build the engine with the saved run's `param_groups`). No
+parameter ever takes another parameter's value. Other options (amsgrad, foreach, fused, ...)
+are the engine's own; an engine of another optimizer class is refused.
 """
 from __future__ import annotations
 
@@ -464,6 +477,7 @@ class _Plan:
     masters: list[torch.Tensor] = field(default_factory=list)  # like optimizer.master_shards
     states: list[dict[str, torch.Tensor]] = field(default_factory=list)  # like master_shards
     hyper: list[dict] = field(default_factory=list)  # per optimizer param group
+    hyper_changes: list[str] = field(default_factory=list)  # "key old -> new for 'name' ...", for the warning
 
 
 @dataclass(frozen=True)
@@ -483,9 +497,11 @@ def load(engine, directory: str | os.PathLike) -> dict:
     missing or corrupted file (size or sha256 unlike meta.json's record), a checkpoint of
     another format version, a different model (names, shapes), another optimizer class,
     ranks that read different checkpoints — raises ValueError on every rank, naming the
-    file and the parameter, and leaves the engine as it was. Restores parameters,
-    buffers, fp32 masters, optimizer state and numeric hyperparameters (lr, betas, ... as
-    torch's load_state_dict does), and the loss-scaler state; clears gradients.
+    file and the parameter, and leaves the engine as it was; so do hyperparameters the
+    engine's param groups cannot carry (see [Note: hyperparameters]). Restores parameters,
+    buffers, fp32 masters, optimizer state, each parameter's numeric hyperparameters (lr,
+    betas, ... as torch's load_state_dict does; rank 0 warns once if they differ from the
+    engine's), and the loss-scaler state; clears gradients.
     """
     directory = os.fspath(directory)
     engine.finish_backward()
@@ -506,6 +522,11 @@ def load(engine, directory: str | os.PathLike) -> dict:
     if errors:
         _raise(engine, what, errors)
     _install(engine, plan)
+    if plan.hyper_changes and engine.comm.world_rank == 0:  # one warning per load, not one per rank
+        warnings.warn(f"zerokit: loading {directory} restored the optimizer hyperparameters it saved, which differ "
+                      f"from this engine's (as torch's Optimizer.load_state_dict does): "
+                      f"{'; '.join(plan.hyper_changes)}. To train with other values, set them in "
+                      "engine.optimizer.param_groups after the load", UserWarning, stacklevel=3)
     return plan.meta
 
 
@@ -648,7 +669,7 @@ def _read(engine, directory: str) -> tuple[_Plan, _Snapshot]:
         raise
     for r in sorted(used):
         verify(rank_file(r, n_saved))
-    plan.hyper = _match_hyperparameters(engine, meta)
+    plan.hyper, plan.hyper_changes = _match_hyperparameters(engine, meta, meta_path)
     return plan, snapshot
 
 
@@ -783,22 +804,45 @@ def _fill(out: torch.Tensor, pieces: list, a: int, b: int, files, paths, name: s
     return used
 
 
-def _match_hyperparameters(engine, meta: dict) -> list[dict]:
-    """For each of this optimizer's groups, the saved group holding its first parameter's numbers."""
-    saved_group_of = {}
-    for group in meta["optimizer"]["param_groups"]:
-        for name in group["params"]:
-            saved_group_of[name] = group["hyperparameters"]
+def _match_hyperparameters(engine, meta: dict, meta_path: str) -> tuple[list[dict], list[str]]:
+    """For each of this optimizer's groups, the hyperparameters its parameters were saved with; and what that
+    changes, one line per (group, key). See [Note: hyperparameters].
+
+    A group steps whole flat buffers, so it holds one value per key: parameters of one group saved
+    with different values are refused (a ValueError naming two of them, both values and the fix),
+    never given one parameter's value.
+    """
+    aliases = meta["aliases"]
+    saved_of = {name: group["hyperparameters"] for group in meta["optimizer"]["param_groups"]
+                for name in group["params"]}
     fp_of_master = {id(m): fp for fp, m in _trainable_with_masters(engine)}
-    out = []
+    out, changes = [], []
     for group in engine.optimizer.param_groups:
-        fps = [fp_of_master[id(m)] for m in group["params"] if id(m) in fp_of_master]
-        hyper = {}
-        if fps:
-            first = meta["aliases"].get(fps[0].names[0][0], fps[0].names[0][0])
-            hyper = saved_group_of.get(first, {})
+        names = [aliases.get(n[0], n[0]) for m in group["params"] if id(m) in fp_of_master
+                 for n in fp_of_master[id(m)].names]
+        hyper: dict = {}
+        first: dict[str, str] = {}  # key -> the parameter whose saved value the group takes
+        for name in names:
+            for key, value in saved_of.get(name, {}).items():  # every trainable name: its pieces were found
+                if key not in group:
+                    continue
+                if key not in hyper:
+                    hyper[key], first[key] = value, name
+                elif value != hyper[key]:
+                    raise ValueError(
+                        f"{meta_path}: {name!r} was saved with {key}={value} and {first[key]!r} with "
+                        f"{key}={hyper[key]}, but this engine steps both in one optimizer param group "
+                        f"({key}={_json_number(group[key])}), which holds one value: build the engine with the "
+                        "param_groups of the run that saved the checkpoint (zk.shard(..., param_groups=...)), so "
+                        "that parameters saved with different hyperparameters are in different groups")
+        for key, value in hyper.items():
+            mine = _json_number(group[key])
+            if mine != value:
+                others = len(names) - 1
+                changes.append(f"{key} {mine} -> {value} for {names[0]!r}"
+                               + (f" and {others} other parameter{'s' if others > 1 else ''}" if others else ""))
         out.append(hyper)
-    return out
+    return out, changes
 
 
 def _install(engine, plan: _Plan) -> None:

@@ -1,16 +1,19 @@
 """engine.save / engine.load on gloo: resume bit for bit, and re-shard across world sizes, stages and precisions.
 
-Two spawns share one checkpoint directory. At world size 2 every stage trains K steps,
+Three spawns share one checkpoint directory. At world size 2 every stage trains K steps,
 saves, trains M more; a fresh engine (built from a different seed, so loading must
 overwrite everything) loads the checkpoint and trains the same M steps. The same spawn
 loads stage 3's checkpoint at stage 1 and stage 0's at stage 2, checks the error paths and
-runs `zerokit train --save/--resume`. At world size 3 the stage-3 checkpoint written by 2
-ranks is loaded at stages 1 and 3.
+runs `zerokit train --save/--resume`. A second 2-rank spawn saves runs with and without a no-decay
+param group and loads each into engines with other groups or values (checkpoint.py
+[Note: hyperparameters]). At world size 3 the stage-3 checkpoint written by 2 ranks is loaded
+at stages 1 and 3, and the param-group checkpoints too.
 
 The global batch is fixed (GLOBAL_ROWS rows per step, split over the ranks), so runs at
 world sizes 2 and 3 see the same data.
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -206,8 +209,13 @@ def _cases_ws2(rank, world_size, root):
 
 
 # ---------------------------------------------------------------------- spawn 2: world size 3
-def _cases_ws3(rank, world_size, root, saved_opt):
-    out = {}
+def _cases_ws3(rank, world_size, root, saved_opt, groups_saved_hyper):
+    out = {"groups": {}}
+    for src, dst, src_stage, dst_stage in GROUP_LOADS_WS3:  # param groups across a world-size change
+        engine = _groups_engine(dst, dst_stage, seed=1)
+        error, said = _load_recording_warnings(engine, os.path.join(root, f"groups-{src}-s{src_stage}"))
+        out["groups"][(src, dst)] = dict(error=error, warnings=said, saved=groups_saved_hyper[(src, src_stage)],
+                                         hyper=_hyperparameters(engine))
     directory = os.path.join(root, "s3-fp32-adamw")  # written by 2 ranks at stage 3
     ref_engine = _engine(1)
     _train(ref_engine, rank, world_size, 0, K)
@@ -233,9 +241,10 @@ def ws2(root, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ws3(root, ws2, tmp_path_factory):
+def ws3(root, ws2, groups, tmp_path_factory):
     saved = ws2[0]["saved_opt_s3"]  # every rank gathered the same full optimizer state; take rank 0's
-    return run_ranks(_cases_ws3, 3, root, saved, store_dir=str(tmp_path_factory.mktemp("rdzv")), timeout_s=180)
+    return run_ranks(_cases_ws3, 3, root, saved, groups[0]["saved_hyper"],
+                     store_dir=str(tmp_path_factory.mktemp("rdzv")), timeout_s=180)
 
 
 @pytest.mark.parametrize("case", SAME, ids=lambda c: "-".join(map(str, c)))
@@ -332,3 +341,144 @@ def test_train_save_then_resume_continues_the_step_count_and_the_losses(ws2):
         assert t["first_step"] == 4 and len(t["first"]) == 4 and len(t["resumed"]) == 2
         assert t["first"] == t["straight"][:4]  # stages 2 and 3 agree bit for bit
         assert t["resumed"] == t["straight"][4:]
+
+
+# ---------------------------------------------------------------------- spawn 3: param groups, world size 2
+# "two": the usual no-decay group (weight_decay 0.0 for 1-D params, 0.1 for the rest); "one": one group at 0.1;
+# "two-other": the two groups built with other values (lr 1e-3 everywhere, weight_decay 0.05 for 1-D params).
+GROUP_RUNS = {"two": (lambda name, p: {"weight_decay": 0.0} if p.ndim < 2 else {}, {}),
+              "one": (None, {}),
+              "two-other": (lambda name, p: {"weight_decay": 0.05} if p.ndim < 2 else {}, dict(lr=1e-3))}
+# (saved run, loading engine, saved stage, loading stage)
+GROUP_LOADS = [("two", "one", 0, 0), ("two", "one", 3, 3), ("two", "one", 0, 3),  # refused: fewer groups
+               ("one", "two", 0, 0), ("one", "two", 3, 3), ("one", "two", 0, 3),  # restored: more groups
+               ("two", "two-other", 0, 0), ("two", "two-other", 3, 3),  # restored: other values, same groups
+               ("two", "two", 3, 3)]  # the same engine: nothing changes, nothing said
+GROUP_LOADS_WS3 = [("two", "one", 3, 1), ("one", "two", 0, 3)]  # saved by 2 ranks, loaded by 3
+
+
+def _groups_engine(run, stage, seed=0):
+    param_groups, kw = GROUP_RUNS[run]
+    return zk.shard(odd_model(seed), torch.optim.AdamW, stage=stage, bucket_numel=BUCKET, wrap=(OddBlock,),
+                    param_groups=param_groups, **{**dict(ADAMW[1]), **kw})
+
+
+def _hyperparameters(engine):
+    """{param name: {key: value}}: the numeric hyperparameters each parameter trains with now."""
+    out = {}
+    trainable = [fp for fp in engine.flat_params if fp.requires_grad]
+    for fp, master in zip(trainable, engine.optimizer.master_shards):
+        group = next(g for g in engine.optimizer.param_groups if any(m is master for m in g["params"]))
+        for names in fp.names:
+            out[names[0]] = {k: group[k] for k in ("lr", "weight_decay", "betas", "eps")}
+    return out
+
+
+def _load_recording_warnings(engine, directory):
+    """engine.load(directory) -> (the ValueError's text or None, the hyperparameter warnings it gave)."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        error = _expect_error(lambda: engine.load(directory))
+    return error, [str(w.message) for w in caught if "optimizer hyperparameters" in str(w.message)]
+
+
+def _cases_param_groups(rank, world_size, root):
+    saved = {}  # (run, stage) -> directory, hyperparameters and the run's own continuation
+    for run in ("two", "one"):
+        for stage in (0, 3):
+            engine = _groups_engine(run, stage)
+            _train(engine, rank, world_size, 0, K)
+            directory = os.path.join(root, f"groups-{run}-s{stage}")
+            engine.save(directory)
+            hyper = _hyperparameters(engine)
+            losses, _ = _train(engine, rank, world_size, K, M)
+            saved[(run, stage)] = dict(directory=directory, hyper=hyper, losses=losses, params=_params(engine))
+    out = {}
+    for src, dst, src_stage, dst_stage in GROUP_LOADS:
+        ref = saved[(src, src_stage)]
+        engine = _groups_engine(dst, dst_stage, seed=1)
+        before = dict(params=_params(engine), hyper=_hyperparameters(engine))
+        error, said = _load_recording_warnings(engine, ref["directory"])
+        got = dict(error=error, warnings=said)
+        if error is not None:
+            got.update(untouched=not _equal_dicts(before["params"], _params(engine))
+                       and before["hyper"] == _hyperparameters(engine))
+        else:
+            hyper = _hyperparameters(engine)
+            losses, _ = _train(engine, rank, world_size, K, M)
+            got.update(hyper_mismatch=sorted(k for k in ref["hyper"] if ref["hyper"][k] != hyper[k]),
+                       losses=(losses, ref["losses"]), param_mismatch=_equal_dicts(_params(engine), ref["params"]))
+        out[(src, dst, src_stage, dst_stage)] = got
+    out["saved_hyper"] = {key: run["hyper"] for key, run in saved.items()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def groups(root, tmp_path_factory):
+    return run_ranks(_cases_param_groups, 2, root, store_dir=str(tmp_path_factory.mktemp("rdzv")), timeout_s=180)
+
+
+@pytest.mark.parametrize("case", [c for c in GROUP_LOADS if c[1] == "one"], ids=lambda c: "s{2}-to-s{3}".format(*c))
+def test_checkpoint_of_a_no_decay_group_into_one_group_is_refused_naming_parameters_and_values(groups, case):
+    """Saved with weight_decay 0.0 for 1-D params and 0.1 for the rest, loaded into an engine with one group:
+    its flat buffers mix both kinds, and one group holds one value, so the load refuses on every rank, naming
+    a parameter of each kind, both values and the fix; the engine (weights, hyperparameters) is untouched."""
+    for r, out in enumerate(groups):
+        got = out[case]
+        error = got["error"]
+        assert error is not None, (r, "loaded without complaint", got)
+        assert "rank 0:" in error and "rank 1:" in error, error
+        assert "weight_decay=0.0" in error and "weight_decay=0.1" in error, error
+        named = re.findall(r"'([\w.]+)' was saved with weight_decay=([\d.]+) and '([\w.]+)' with weight_decay=([\d.]+)",
+                           error)
+        assert len(named) == 2, error  # once per rank
+        one_d = {n for n, p in odd_model().named_parameters() if p.ndim < 2}
+        for a, a_value, b, b_value in named:  # two parameters of one group, each with the value it was saved with
+            assert {(a in one_d, a_value), (b in one_d, b_value)} == {(True, "0.0"), (False, "0.1")}, error
+        assert "param_groups of the run that saved the checkpoint" in error, error
+        assert got["untouched"] and got["warnings"] == [], (r, got)
+
+
+@pytest.mark.parametrize("case", [c for c in GROUP_LOADS if c[1] != "one"],
+                         ids=lambda c: "{0}-into-{1}-s{2}-to-s{3}".format(*c))
+def test_loaded_hyperparameters_are_each_parameters_saved_ones_and_training_continues_bitwise(groups, case):
+    """Loaded into an engine whose groups can carry the saved values (more groups than the saved run, or the
+    same groups with other values), every parameter trains with its saved lr and weight_decay, and M more
+    steps equal the saved run's own continuation bit for bit. Rank 0 warns once, naming each changed value;
+    an engine built like the saved run hears nothing."""
+    src, dst = case[:2]
+    for r, out in enumerate(groups):
+        got = out[case]
+        assert got["error"] is None, (r, got["error"])
+        assert got["hyper_mismatch"] == [], (r, got["hyper_mismatch"])
+        assert torch.equal(*got["losses"]), (r, got["losses"])
+        assert got["param_mismatch"] == [], (r, got["param_mismatch"])
+        if src == dst or r == 1:
+            assert got["warnings"] == [], (r, got["warnings"])
+            continue
+        assert len(got["warnings"]) == 1, got["warnings"]
+        said = got["warnings"][0]
+        # (key, old, new, 1-D params?, how many): the 7 trainable 1-D params, the 5 others (emb.weight is head's)
+        expected = {"two": [("weight_decay", "0.0", "0.1", True, 7)],
+                    "two-other": [("weight_decay", "0.05", "0.0", True, 7), ("lr", "0.001", "0.01", True, 7),
+                                  ("lr", "0.001", "0.01", False, 5)]}[dst]
+        one_d = {n for n, p in odd_model().named_parameters() if p.ndim < 2}
+        changes = re.findall(r"(\w+) ([\d.]+) -> ([\d.]+) for '([\w.]+)' and (\d+) other parameters", said)
+        assert sorted((k, a, b, name in one_d, int(n) + 1) for k, a, b, name, n in changes) == sorted(expected), said
+        assert said.startswith("zerokit: loading ") and "restored the optimizer hyperparameters it saved" in said
+
+
+def test_hyperparameters_survive_a_world_size_change_or_are_refused_the_same_way(ws3):
+    """The param-group checkpoints written by 2 ranks, loaded by 3: a no-decay run into one group (stage 3 ->
+    1) is refused on every rank as at 2 ranks; a one-group run into the no-decay engine (stage 0 -> 3) gives
+    every parameter its saved hyperparameters, and only rank 0 says so."""
+    for r, out in enumerate(ws3):
+        refused = out["groups"][("two", "one")]
+        assert refused["error"] is not None and f"(raised on rank {r})" in refused["error"], refused["error"]
+        assert all(f"rank {q}: " in refused["error"] for q in range(3)), refused["error"]
+        assert "which holds one value" in refused["error"] and refused["warnings"] == [], refused
+        restored = out["groups"][("one", "two")]
+        assert restored["error"] is None, restored["error"]
+        assert restored["hyper"] == restored["saved"], r
+        assert len(restored["warnings"]) == (1 if r == 0 else 0), (r, restored["warnings"])

@@ -22,9 +22,11 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import zerokit as zk
-from common import odd_batch, odd_model
+from common import DIM, VOCAB, odd_batch, odd_model
 from test_checkpoint import _equal_dicts, _expect_error, _full_optimizer_state, _params
 from zerokit import checkpoint
 from zerokit.checkpoint import POINTER_FILE, committed_snapshot
@@ -274,6 +276,52 @@ def _directories(rank, world_size, scratch, source):
 
 
 # ---------------------------------------------------------------------- spawn 1: world size 2
+# ---------------------------------------------------------------------- a rank file no loading rank reads
+class _Temperature(nn.Module):
+    """A frozen classifier whose one trainable element is its temperature. Saved by 2 ranks, the flat buffer of
+    1 element is padded to 2 and rank 1's range is padding only: rank1-of-2 holds no piece, and no loading rank
+    reads a slice of it, at any stage (pieces are read by name and range). Only the rule that rank i checks
+    rank file j for every j = i (mod world size) covers it (checkpoint.py [Note: loading])."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(DIM, VOCAB).requires_grad_(False)
+        self.temperature = nn.Parameter(torch.ones(1))
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.body(x) / self.temperature, y)
+
+
+def _unread_rank_file(rank, world_size, root):
+    directory, corrupted = os.path.join(root, "temperature"), os.path.join(root, "temperature-corrupted")
+    engine = zk.shard(_Temperature(), torch.optim.AdamW, stage=1, lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    batch = torch.randn(4, DIM, generator=g), torch.randint(0, VOCAB, (4,), generator=g)
+    train_step(engine, [batch], lambda b: engine(*b))
+    engine.save(directory)
+    saved = _state(engine)
+
+    def corrupt():  # rank1-of-2's metadata "rank":"1" becomes "rank":"0": still a valid safetensors header
+        _copy(directory, corrupted)
+        path = os.path.join(committed_snapshot(corrupted), "rank1-of-2.safetensors")
+        with open(path, "rb") as f:
+            at = f.read().index(b'"rank":"1"') + len(b'"rank":"')
+        _flip(path, at)
+
+    _on_rank0(rank, corrupt)
+    from safetensors import safe_open
+    with safe_open(os.path.join(committed_snapshot(corrupted), "rank1-of-2.safetensors"), framework="pt") as f:
+        out = {"rank1_keys": list(f.keys()), "rank1_metadata": f.metadata()}
+    for stage in (0, 3):
+        intact = zk.shard(_Temperature(), torch.optim.AdamW, stage=stage, lr=1e-2)
+        intact.load(directory)
+        loaded = zk.shard(_Temperature(), torch.optim.AdamW, stage=stage, lr=1e-2)
+        out[stage] = dict(intact_mismatch=_state_mismatch(saved, _state(intact)),
+                          error=_expect_error(lambda: loaded.load(corrupted)))
+    return out
+
+
 def _cases_ws2(rank, world_size, root):
     out = {}
     a, b = os.path.join(root, "A-ws2"), os.path.join(root, "B-ws2")
@@ -400,6 +448,11 @@ def ws2(root, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def unread(root, tmp_path_factory):
+    return run_ranks(_unread_rank_file, 2, root, store_dir=str(tmp_path_factory.mktemp("rdzv")), timeout_s=120)
+
+
+@pytest.fixture(scope="module")
 def crashes(root, ws2, tmp_path_factory):
     """Run every crash scenario; -> {name: (RankFailed message or None, listing, snapshot the pointer names,
     what the uncommitted snapshot holds)}, all read right after the crash."""
@@ -460,6 +513,20 @@ def test_flipped_byte_anywhere_in_a_rank_file_is_refused_on_every_rank_naming_th
                     error = out[key][case][stage]["error"]
                     assert "sha256 checksum mismatch" in error or "bytes on disk" in error, (label, case, error)
                     assert out[key][case][stage]["untouched"], (label, case, r)
+
+
+def test_changed_rank_file_no_loading_rank_reads_a_slice_of_is_refused_naming_it(unread):
+    """rank1-of-2 of a 1-element model holds no piece (its range is padding), so no loading rank reads from it;
+    one changed byte of it is still refused on every rank, at stages 0 and 3, naming the file: the rank whose
+    turn it is checks it. The intact checkpoint loads exactly (the control)."""
+    for r, out in enumerate(unread):
+        assert out["rank1_keys"] == [] and out["rank1_metadata"]["rank"] == "0", out  # the case is what it claims
+        for stage in (0, 3):
+            assert out[stage]["intact_mismatch"] == [], (r, stage, out[stage]["intact_mismatch"])
+            error = out[stage]["error"]
+            assert error is not None, (r, stage, "loaded without complaint")
+            assert "rank1-of-2.safetensors: sha256 checksum mismatch" in error, error
+            assert f"(raised on rank {r})" in error and "\n  rank 1: " in error, error  # rank 1 checked it
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
