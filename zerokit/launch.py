@@ -429,7 +429,8 @@ class _Ranks:
             stack = self.crash_stack(r)
             body = (f"Python stacks when the signal arrived (faulthandler):\n{stack}\n" if stack else
                     "no Python stack: faulthandler writes one for SIGSEGV, SIGABRT, SIGBUS, SIGFPE and SIGILL, "
-                    "not for SIGKILL (an OOM kill, `kill -9`) or an exit\n")
+                    "not for SIGKILL (an OOM kill, `kill -9`)\n" if code < 0 else
+                    "it exited before reporting (os._exit, or a failure before fn started: its stderr says which)\n")
             entries.append((0, self.exited[r], r, f"died by {_how(code)}" if code < 0 else f"exited with {_how(code)}",
                             body))
         for r, report in self.errors.items():
