@@ -3,9 +3,10 @@
 `run_ranks(fn, world_size, *args)` spawns one process per rank, makes them rendezvous
 through a file in a fresh temporary directory (no fixed port, so parallel runs never
 collide), calls `fn(rank, world_size, *args)` on each, and returns every rank's return
-value (rank order). If a rank raises, the others are stopped and a RankFailed is raised
-here: its message holds every failing rank's traceback, the root cause first, and its
-attributes the root cause alone (`rank`, `message`, `user_error`) for a one-line report.
+value (rank order). If a rank raises, dies by a signal or exits without reporting, the
+others are stopped and a RankFailed is raised here: its message holds every failing rank's
+report, the root cause first (see [Note: the root cause of a failed run]), and its attributes
+the root cause alone (`rank`, `message`, `user_error`, ...) for a one-line report.
 If the ranks do not all finish within `timeout_s`, they are stopped and a TimeoutError
 names the ones still running. Under torchrun none of this is used: `zk.init_distributed()`
 reads the environment instead.
@@ -75,6 +76,25 @@ daemon thread waits on a pidfd of the caller's process (`os.pidfd_open`, Linux 5
 it polls the pid twice a second) and, when the caller exits, kills its own rank with SIGKILL: with
 the caller gone nobody can read a result, and a rank blocked inside a collective could run no
 Python teardown anyway. A caller already gone when the rank starts is caught by the same wait.
+
+[Note: the root cause of a failed run]
+When one rank fails, the others fail moments later inside a collective, and their errors are
+knock-on effects: the peer-reset texts of gloo ("Connection closed by peer", "Connection reset by
+peer", ...) and, under TORCH_DISTRIBUTED_DEBUG=DETAIL, the monitored barrier's ("Ranks 2 failed to
+pass monitoredBarrier in 600000 ms" appears within seconds of rank 2 raising or dying: it quotes the
+configured timeout, not a wait; "received errors while waiting for send/recv from rank 0" names the
+rank that ran the barrier, not the one that failed). A rank killed by a signal or that exits without
+a report sends nothing, and its exit code is seen only by polling. So, at the first failure seen (an
+error report, or a rank that exited without one), the parent keeps collecting for `grace_s`, or
+until every rank has reported or exited, then reads every queued report and every exit code, and
+only then picks the root cause: a rank that died by a signal or exited without reporting, the
+earliest seen first; else the earliest reported exception that is not a knock-on error; else the
+earliest knock-on error. Each rank times its report when it catches the exception, and puts it on
+the queue before its teardown (which a broken group can slow), so the order does not depend on
+who tore down first. Every rank enables faulthandler into a file of its own: a native crash
+(SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) writes the rank's Python stacks there, and the parent
+puts them in that rank's part of the report, named, instead of anonymous lines among N ranks'
+output on the shared stderr.
 """
 from __future__ import annotations
 
@@ -84,6 +104,7 @@ import os
 import sys
 import pickle
 import queue as queue_module
+import re
 import select
 import signal
 import tempfile
@@ -102,22 +123,28 @@ EXIT_GRACE_S = 60.0  # after every rank returned: how long they get to exit befo
 STOP_GRACE_S = 15.0  # after a failure or Ctrl-C: how long ranks get to tear down (about 2 s) before they are killed
 STACKS_SIGNAL = signal.SIGUSR1  # a rank prints every thread's Python stack to stderr on it
 STACKS_WAIT_S = 1.0  # how long the parent gives them to print
+FAILURE_GRACE_S = 2.0  # after the first failure: how long the other ranks' reports and exits are collected
+UNREPORTED_EXIT_S = 1.0  # a rank that exited with code 0 and sent no report within this long failed
 USER_ERRORS = (ValueError, TypeError, OSError)  # what zerokit raises for bad input; the CLI prints them as one line
 
 
 class RankFailed(RuntimeError):
-    """A rank raised (or died). str() holds every failing rank's traceback, the root cause first.
+    """A rank raised or died. str() holds every failing rank's report, the root cause first.
 
-    `rank`, `world_size`: the root-cause rank (None when it died without a report);
-    `message`: that rank's exception as it would print (`str(exc)`); `exc_type`: its class
-    name; `user_error`: whether it is one of USER_ERRORS.
+    `rank`, `world_size`: the root-cause rank; `message`: its exception as it would print
+    (`str(exc)`), or how it died; `exc_type`: the exception's class name ("" for a death);
+    `user_error`: whether it is one of USER_ERRORS; `exitcode`: the exit code of a rank that
+    died without a report (negative: killed by that signal), else None; `seconds`: when it
+    failed, in seconds since the ranks were started.
     """
 
     def __init__(self, text: str, rank: int | None = None, world_size: int | None = None, message: str = "",
-                 exc_type: str = "", user_error: bool = False):
+                 exc_type: str = "", user_error: bool = False, exitcode: int | None = None,
+                 seconds: float | None = None):
         super().__init__(text)
         self.rank, self.world_size = rank, world_size
         self.message, self.exc_type, self.user_error = message or text, exc_type, user_error
+        self.exitcode, self.seconds = exitcode, seconds
 
 
 class _Stopped(KeyboardInterrupt):
@@ -132,7 +159,7 @@ def _on_sigterm(signum, frame):
 def _error_report(exc: BaseException) -> dict:
     return {"traceback": traceback.format_exc(), "exc_type": type(exc).__name__, "message": str(exc),
             "user_error": isinstance(exc, USER_ERRORS),
-            "stopped": isinstance(exc, KeyboardInterrupt)}
+            "stopped": isinstance(exc, KeyboardInterrupt), "time": time.time()}
 
 
 class _CallerFd:
@@ -191,9 +218,9 @@ def _alive(pid: int) -> bool:
 
 def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s: float, threads: int,
             fn: Callable, args: tuple, results, env: dict[str, str], stdio: tuple[int | None, ...],
-            caller_pid: int) -> None:
+            caller_pid: int, crash_file: str) -> None:
     # See [Note: process-group teardown], [Note: Ctrl-C], [Note: starting ranks], [Note: stacks of a stuck rank],
-    # [Note: orphaned ranks].
+    # [Note: orphaned ranks], [Note: the root cause of a failed run].
     _die_with_caller(caller_pid)
     for target, fd in zip((1, 2), stdio):  # the caller's stdout and stderr now, not the forkserver's
         if fd is not None:
@@ -206,7 +233,10 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
     faulthandler.register(STACKS_SIGNAL, all_threads=True)  # [Note: stacks of a stuck rank]
-    report = None
+    global _crash_log
+    _crash_log = open(crash_file, "w")  # kept open for the rank's life: faulthandler writes into it on a crash
+    faulthandler.enable(file=_crash_log, all_threads=True)  # [Note: the root cause of a failed run]
+    report, sent = None, False
     try:
         torch.set_num_threads(threads)  # N ranks share the machine's cores
         if backend == "nccl":
@@ -220,16 +250,22 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s:
         except BaseException as exc:  # noqa: BLE001 -- reported to the parent, then this rank exits non-zero
             report = (rank, "error", _error_report(exc))
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # teardown runs to the end (the parent kills after a grace)
+        if report[1] == "error":  # before the teardown, which a broken group can slow
+            results.put(report)
+            sent = True
         gc.collect()  # hooks make the engine a reference cycle: free it while the group still exists
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 -- a failure outside fn (init, teardown)
         if report is None or report[1] == "ok":
             report = (rank, "error", _error_report(exc))
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    results.put(report)
+    if not sent:
+        results.put(report)
     if report[1] != "ok":
         raise SystemExit(1)
 
+
+_crash_log = None  # a rank's faulthandler file ([Note: the root cause of a failed run])
 
 # Imported once by the forkserver; every rank forked from it starts with them loaded ([Note: starting ranks]).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.nn", "torch._dynamo", "zerokit", "zerokit.launch",
@@ -270,53 +306,153 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
         sys.stdout.flush()
         sys.stderr.flush()
         stdio = tuple(_CallerFd(fd) if _is_open(fd) else None for fd in (1, 2))
+        crash_files = [os.path.join(tmp, f"rank{r}.faulthandler") for r in range(world_size)]
         procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, backend, pg_timeout_s, threads, fn,
-                                                   args, results, env, stdio, os.getpid()), daemon=True)
+                                                   args, results, env, stdio, os.getpid(), crash_files[r]),
+                             daemon=True)
                  for r in range(world_size)]
+        ranks = _Ranks(procs, results, crash_files)
         for p in procs:
             p.start()
-        values: dict[int, Any] = {}
         finished = False
         deadline = time.monotonic() + timeout_s
         try:
-            while len(values) < world_size:
+            while len(ranks.values) < world_size:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    missing = sorted(set(range(world_size)) - set(values))
+                    missing = sorted(set(range(world_size)) - set(ranks.values))
                     raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f} s")
-                try:
-                    rank, status, value = results.get(timeout=min(remaining, 1.0))
-                except queue_module.Empty:
-                    dead = [r for r, p in enumerate(procs) if r not in values and p.exitcode not in (None, 0)]
-                    if dead:
-                        # A rank died without reporting (segfault, OOM kill): give a moment for
-                        # a late report, then fail.
-                        try:
-                            rank, status, value = results.get(timeout=2.0)
-                        except queue_module.Empty:
-                            code = procs[dead[0]].exitcode
-                            raise RankFailed(f"rank {dead[0]} exited with code {code} without a traceback",
-                                             rank=dead[0], world_size=world_size) from None
-                    else:
-                        continue
-                if status == "error":
-                    raise _rank_failed(world_size, {rank: value}, results)
-                values[rank] = pickle.loads(value)
+                ranks.poll(min(remaining, 0.1))
+                if ranks.failure_seen():
+                    raise ranks.failed(FAILURE_GRACE_S)
             finished = True
         except (RankFailed, TimeoutError) as exc:
-            _print_stacks_of_running(procs, set(values) | getattr(exc, "reported", set()))
+            _print_stacks_of_running(procs, set(ranks.values) | getattr(exc, "reported", set()))
             raise
         finally:
             _stop(procs, results if not finished else None)
-    # Every rank returned its result; one that then died on the way out (an abort at
-    # interpreter exit, see [Note: process-group teardown]) is a failure all the same.
-    unclean = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-    if unclean:
-        r, code = unclean[0]
-        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
-        raise RankFailed(f"rank {r} returned its result, then exited with {how} (exit codes: "
-                         f"{[p.exitcode for p in procs]})", rank=r, world_size=world_size)
-    return [values[r] for r in range(world_size)]
+        # Every rank returned its result; one that then died on the way out (an abort at
+        # interpreter exit, see [Note: process-group teardown]) is a failure all the same.
+        unclean = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        if unclean:
+            r, code = unclean[0]
+            stack = ranks.crash_stack(r)
+            raise RankFailed(f"rank {r} returned its result, then exited with {_how(code)} (exit codes: "
+                             f"{[p.exitcode for p in procs]})" + (f"\n{stack}" if stack else ""),
+                             rank=r, world_size=world_size, exitcode=code)
+    return [ranks.values[r] for r in range(world_size)]
+
+
+def _how(code: int) -> str:
+    """An exit code as words: "signal SIGKILL" (negative: killed by that signal) or "code 3"."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+# Errors a rank gets because another rank failed ([Note: the root cause of a failed run]).
+_KNOCK_ON = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed",
+             "typically caused by a remote worker", "failed to pass monitoredBarrier",
+             "received errors while waiting for send/recv", "timed out in monitoredBarrier")
+_GLOO_ENFORCE = re.compile(r"enforce fail at [^\]\n]*gloo")
+
+
+def _knock_on(report: dict) -> bool:
+    text = report["traceback"]
+    return any(m in text for m in _KNOCK_ON) or _GLOO_ENFORCE.search(text) is not None
+
+
+class _Ranks:
+    """What the parent knows of each rank: its result or error report, and when it was first seen to exit."""
+
+    def __init__(self, procs: list, results, crash_files: list[str]):
+        self.procs, self.results, self.crash_files = procs, results, crash_files
+        self.start, self.start_wall = time.monotonic(), time.time()
+        self.values: dict[int, Any] = {}  # rank -> fn's return value
+        self.errors: dict[int, dict] = {}  # rank -> _error_report(...)
+        self.exited: dict[int, float] = {}  # rank -> seconds since start when its exit was first seen
+
+    def poll(self, timeout: float) -> bool:
+        """Read one report (waiting up to `timeout`), then note every rank that has exited; -> whether one was read."""
+        try:
+            rank, status, value = self.results.get(timeout=timeout)
+        except queue_module.Empty:
+            got = False
+        else:
+            got = True
+            if status == "ok":
+                self.values[rank] = pickle.loads(value)
+            else:
+                self.errors[rank] = value
+        now = time.monotonic() - self.start
+        for r, p in enumerate(self.procs):
+            if r not in self.exited and p.exitcode is not None:
+                self.exited[r] = now
+        return got
+
+    def _unreported(self) -> list[int]:
+        """Ranks that exited without reporting (a report still in the pipe is read by the time this is asked)."""
+        return [r for r in self.exited if r not in self.values and r not in self.errors]
+
+    def failure_seen(self) -> bool:
+        if self.errors:
+            return True
+        now = time.monotonic() - self.start
+        # Any code but 0 fails at once (a report on its way is read in the grace); code 0 fails once its
+        # report is overdue. Negative codes (killed by a signal) are failures like positive ones.
+        return any(self.procs[r].exitcode != 0 or now - self.exited[r] > UNREPORTED_EXIT_S
+                   for r in self._unreported())
+
+    def crash_stack(self, rank: int) -> str:
+        """What faulthandler wrote in `rank`'s file (its Python stacks at a fatal signal), or ""."""
+        try:
+            with open(self.crash_files[rank], errors="replace") as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+
+    def failed(self, grace_s: float) -> RankFailed:
+        """[Note: the root cause of a failed run]: collect for `grace_s`, then a RankFailed, the root cause first."""
+        world_size = len(self.procs)
+        deadline = time.monotonic() + grace_s
+        while (time.monotonic() < deadline and
+               len(set(self.values) | set(self.errors) | set(self.exited)) < world_size):
+            self.poll(min(0.05, max(0.0, deadline - time.monotonic())))
+        while self.poll(0.05):  # whatever is still queued
+            pass
+        entries = []  # (kind, seconds, rank, header, body): kind 0 died unreported, 1 raised, 2 knock-on, 3 stopped
+        for r in self._unreported():
+            code = self.procs[r].exitcode
+            stack = self.crash_stack(r)
+            body = (f"Python stacks when the signal arrived (faulthandler):\n{stack}\n" if stack else
+                    "no Python stack: faulthandler writes one for SIGSEGV, SIGABRT, SIGBUS, SIGFPE and SIGILL, "
+                    "not for SIGKILL (an OOM kill, `kill -9`)\n" if code < 0 else
+                    "it exited before reporting (os._exit, or a failure before fn started: its stderr says which)\n")
+            entries.append((0, self.exited[r], r, f"died by {_how(code)}" if code < 0 else f"exited with {_how(code)}",
+                            body))
+        for r, report in self.errors.items():
+            kind = 3 if report["stopped"] else 2 if _knock_on(report) else 1
+            entries.append((kind, report["time"] - self.start_wall, r, "failed", report["traceback"]))
+        entries.sort(key=lambda e: e[:3])
+        root_kind, root_s, root, root_how, _ = entries[0]
+        parts = []
+        for kind, seconds, r, how, body in entries:
+            where = "" if r == root else f" (after rank {root}'s failure: a knock-on error)" if kind == 2 else ""
+            when = f"without a report (its exit seen at {seconds:.1f} s)" if kind == 0 else f"at {seconds:.1f} s"
+            parts.append(f"rank {r} of {world_size} {how} {when}{where}:\n{body}")
+        if root_kind == 0:
+            failed = RankFailed("\n".join(parts), rank=root, world_size=world_size,
+                                message=f"rank {root} {root_how} without a report (its exit seen at {root_s:.1f} s)",
+                                exitcode=self.procs[root].exitcode, seconds=root_s)
+        else:
+            report = self.errors[root]
+            failed = RankFailed("\n".join(parts), rank=root, world_size=world_size, message=report["message"],
+                                exc_type=report["exc_type"], user_error=report["user_error"], seconds=root_s)
+        failed.reported = set(self.values) | set(self.errors)  # not stuck ([Note: stacks of a stuck rank])
+        return failed
 
 
 def _print_stacks_of_running(procs: list, reported: set[int]) -> None:
@@ -357,33 +493,3 @@ def _stop(procs: list, results) -> None:
         if p.is_alive():
             p.kill()
             p.join()
-
-
-_KNOCK_ON = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
-
-
-def _rank_failed(world_size: int, errors: dict[int, dict], results, grace_s: float = 2.0) -> RankFailed:
-    """A RankFailed holding all failing ranks' tracebacks, the root cause first and in its attributes.
-
-    When one rank raises, its peers fail moments later inside a collective ("connection
-    reset by peer"); collect those for a short grace period and list them after the
-    rank whose failure was not such a knock-on effect (nor a stop asked by this parent).
-    """
-    deadline = time.monotonic() + grace_s
-    reported = set(errors)
-    while time.monotonic() < deadline and len(errors) < world_size:
-        try:
-            rank, status, value = results.get(timeout=max(0.05, deadline - time.monotonic()))
-        except queue_module.Empty:
-            break
-        reported.add(rank)
-        if status == "error":
-            errors[rank] = value
-    order = sorted(errors, key=lambda r: (errors[r]["stopped"],
-                                          any(m in errors[r]["traceback"] for m in _KNOCK_ON), r))
-    text = "\n".join(f"rank {r} of {world_size} failed:\n{errors[r]['traceback']}" for r in order)
-    root = errors[order[0]]
-    failed = RankFailed(text, rank=order[0], world_size=world_size, message=root["message"],
-                        exc_type=root["exc_type"], user_error=root["user_error"])
-    failed.reported = reported  # ranks that sent a report: not stuck ([Note: stacks of a stuck rank])
-    return failed
