@@ -70,6 +70,9 @@ def _recovering_loop(rank, world_size, stage, where, plain_backward=False, fail_
         except RuntimeError as exc:
             errors.append(str(exc))
             engine.zero_grad()
+            # Clean: no unit left gathered (stage 3; engine.units is empty below it), no backward pending.
+            left = [f"unit {u.name!r} {u.state.value}" for u in engine.units if u.state.value != "sharded"]
+            errors += left + (["tracker in backward"] if engine.tracker.in_backward else [])
             continue
         engine.step()
         engine.zero_grad()
