@@ -266,7 +266,8 @@ def _plain_backward_cases(rank, world_size):
         ref = _fp16_loop(rank, world_size, stage, "reference")
         for variant in ("plain backward, then zero_grad", "checkpoint", "no_sync"):
             state = _fp16_loop(rank, world_size, stage, variant)
-            out[(stage, variant)] = None if variant == "no_sync" else [k for k in ref if not torch.equal(state[k], ref[k])]
+            differ = [k for k in ref if not torch.equal(state[k], ref[k])]
+            out[(stage, variant)] = None if variant == "no_sync" else differ
     return out
 
 

@@ -116,8 +116,6 @@ def _recovery_cases(rank, world_size):
         losses, state, errors = _recovering_loop(rank, world_size, stage, where, plain, **kw)
         key = (stage, where, "loss.backward()" if plain else "engine.backward", tuple(sorted(kw)))
         out[key] = dict(errors=errors, differences=_differences((losses, state), ref))
-    # The gradients of the step that raised are gone: `.grad` after zero_grad is what zero_grad leaves
-    # (zeros at stages 0-2, None at stage 3), and the hooks' bookkeeping does not remember the aborted backward.
     return out
 
 

@@ -3,7 +3,8 @@
 Shared here: calling the wrapped model (with mixed precision's input cast), scaling the
 loss for fp16, the `no_sync` switch, `summon_full_params` (stage 3 overrides it; params are
 whole below), global gradient-norm clipping over shards, taking over what user code did to
-`param.grad` before a step, and the ledgers (`comm_stats`, `memory`).
+`param.grad` before a step, refusing an fp16 step on gradients no loss scale multiplied,
+recovery after a forward or backward that raised, and the ledgers (`comm_stats`, `memory`).
 
 Each stage file subclasses `Engine` directly (no stage inherits from another) and
 implements the methods of "the stage interface" below, in this order in every file:
@@ -28,8 +29,9 @@ issuing collectives that the raising ranks never issue, and the ranks' collectiv
 pair up: nothing local can repair that. Under debug=True (core/comm.py [Note: debug mode]) the
 recovering ranks' zero_grad is a checked sync point, so every rank raises at its next
 collective, the recovering ones naming their exception and saying to rebuild the engine;
-without it the next collective pairs with a different one (an error from the backend, a hang
-until the group's timeout, or mixed-up values when sizes happen to match).
+without it the next collective pairs with a different one: gloo aborts the process when the
+sizes differ (gloo::EnforceNotMet, SIGABRT), a rank may wait until the group's timeout, and
+values could mix where sizes happen to match.
 """
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ class Engine:
             comm.use_tree()  # the cross-rank sum pairwise too; raises unless N is a power of two
         # fp16 + tree: the gradient's 1/N rides in the loss scale (`backward`), not in the reduction.
         self._divide_in_loss = config.reduction == "tree" and scaler is not None
+        self._backward_error: BaseException | None = None  # the last engine.backward's exception, until zero_grad
 
     # -- running the model ------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -336,7 +339,7 @@ class Engine:
         if not cut_short:
             return
         if self.comm.debug and self.comm.distributed:  # the other ranks must have raised at the same point
-            exc = sys.exc_info()[1] or getattr(self, "_backward_error", None)
+            exc = sys.exc_info()[1] or self._backward_error
             what = f"{type(exc).__name__}: {exc}" if exc is not None else "an exception"
             self.comm._check_same(
                 (self.comm.recorder.seq, "sync_point", "engine.zero_grad() after a pass that raised"),
