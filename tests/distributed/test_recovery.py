@@ -176,6 +176,27 @@ def test_fired_twice_message_names_both_causes():
     assert engine.step()
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_step_on_the_gradients_of_a_backward_that_raised_is_refused(stage):
+    """Without engine.zero_grad() after engine.backward raised, clip_grad_norm_ and step() refuse the partial
+    gradients, naming the exception and zero_grad; after zero_grad the step goes on."""
+    model = odd_model()
+    engine = zk.shard(model, torch.optim.AdamW, stage=stage, wrap=(OddBlock,), **OPT_KW)
+    raising = {"now": True}
+    _arm(model, "backward", raising)
+    x, y = odd_batch(0, BATCH)
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.backward(engine(x, y))
+    for call in (lambda: engine.clip_grad_norm_(1.0), engine.step):
+        with pytest.raises(RuntimeError, match=r"the last engine.backward raised \(RuntimeError: boom in backward\)"
+                                               r".*call engine.zero_grad\(\) on every rank"):
+            call()
+    raising["now"] = False
+    engine.zero_grad()
+    engine.backward(engine(x, y))
+    assert engine.step()
+
+
 def test_zero_grad_between_forward_and_backward_keeps_what_backward_needs():
     """optimizer.zero_grad() placed between forward and backward (a torch habit): stage 3's units kept for
     backward stay gathered; training equals the usual loop's bitwise."""

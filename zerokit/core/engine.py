@@ -105,13 +105,20 @@ class Engine:
         finally:
             self.tracker.engine_backward = False
 
-    def check_backward_scaled(self) -> None:
-        """fp16: refuse to clip or step on gradients of a backward the loss scale never multiplied.
+    def check_last_backward(self) -> None:
+        """Refuse to clip or step on gradients of an `engine.backward` that raised (partial), or, under fp16,
+        of a backward the loss scale never multiplied.
 
         The step divides by the loss scale (core/hooks.py [Note: which backward was scaled]); a
         plain `loss.backward()` would leave every gradient that many times too small. Every rank
         runs the same code, so every rank raises here.
         """
+        if self._backward_error is not None:
+            raise RuntimeError(
+                f"zerokit stage {self.stage} (rank {self.rank}): the last engine.backward raised "
+                f"({type(self._backward_error).__name__}: {self._backward_error}), so its gradients are partial: "
+                "after catching it call engine.zero_grad() on every rank, then run the step again "
+                "([Note: recovery after an exception] in zerokit/core/engine.py)")
         if self.scaler is not None and self.tracker.plain_backwards:
             raise RuntimeError(
                 f"zerokit (fp16): this backward ran through loss.backward(), so the loss was not multiplied by "
@@ -193,7 +200,7 @@ class Engine:
         is exact (integer bins, core/tree.py), so the norm is equal at every world size too.
         """
         self.finish_backward()
-        self.check_backward_scaled()
+        self.check_last_backward()
         self.check_partials_sent()
         shards = self.norm_shards()
         if self.config.reduction == "tree":  # exact, so equal at every world size: core/tree.py
@@ -299,7 +306,7 @@ class Engine:
         step's tree is done with: the next backward starts a new one even when the loop clears
         gradients with model.zero_grad() rather than engine.zero_grad().
         """
-        self.check_backward_scaled()
+        self.check_last_backward()
         self.check_partials_sent()
         self.clear_partials()
         for fp in self.flat_params:
@@ -336,17 +343,17 @@ class Engine:
         """
         cut_short = self.tracker.discard() or forward_cut_short
         self.in_flight.wait_all()
+        error, self._backward_error = self._backward_error, None
         if not cut_short:
             return
         if self.comm.debug and self.comm.distributed:  # the other ranks must have raised at the same point
-            exc = sys.exc_info()[1] or self._backward_error
+            exc = sys.exc_info()[1] or error
             what = f"{type(exc).__name__}: {exc}" if exc is not None else "an exception"
             self.comm._check_same(
                 (self.comm.recorder.seq, "sync_point", "engine.zero_grad() after a pass that raised"),
                 f"in engine.zero_grad() after a forward or backward that raised on this rank ({what}); unless "
                 "every rank raised at the same point, the ranks' collectives no longer pair up: rebuild the "
                 "engine (zk.shard) and load the last checkpoint")
-        self._backward_error = None
         for unit in self.units:
             unit.abandon_pass()
 
