@@ -7,9 +7,10 @@ the optimizer is handed (unscaled, clipped) is checked directly against the fp32
 """
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import zerokit as zk
-from common import OddBlock, fixed_corpus, odd_batch, odd_model
+from common import OddBlock, OddModel, fixed_corpus, odd_batch, odd_model
 from zerokit.launch import run_ranks
 from zerokit.models import Block, build_model
 
@@ -206,3 +207,80 @@ def test_mixed_precision_memory_is_the_lectures_16_bytes(mixed):
             got = {k: mem[k] for k in expected}
             assert got == expected, (stage, got, expected)
             assert padded - r["psi"] < r["num_flat"] * world_size, "padding < N per flat buffer"
+
+
+# ------------------------------------------------ fp16 with a plain loss.backward() (core/hooks.py [Note: which
+# backward was scaled]): refused at clip and step on every rank; never a false alarm.
+class _CheckpointedOddModel(OddModel):
+    def forward(self, idx, targets):
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=False)
+        logits = self.head(self.norm(h) * self.gain)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _fp16_engine(stage, model_cls=OddModel):
+    torch.manual_seed(0)
+    return zk.shard(model_cls(), torch.optim.AdamW, stage=stage, precision="fp16", lr=1e-2, wrap=(OddBlock,),
+                    bucket_numel=40, loss_scaler=dict(init_scale=2.0 ** 10))
+
+
+def _fp16_loop(rank, world_size, stage, variant):
+    """3 steps of engine.backward + clip + step, with `variant`'s extra that must change nothing."""
+    engine = _fp16_engine(stage, _CheckpointedOddModel if variant == "checkpoint" else OddModel)
+    for step in range(3):
+        x, y = odd_batch(step, BATCH, rank, world_size)
+        if variant == "plain backward, then zero_grad":  # the unscaled gradients are discarded
+            engine(x, y).backward()
+            engine.zero_grad()
+        if variant == "no_sync":  # two micro-batches, both through engine.backward
+            with engine.no_sync():
+                engine.backward(engine(*odd_batch(step + 10, BATCH, rank, world_size)))
+        engine.backward(engine(x, y))
+        engine.clip_grad_norm_(1.0)
+        assert engine.step()
+        engine.zero_grad()
+    return engine.state_dict(full=True)
+
+
+def _attempt(fn):
+    try:
+        fn()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def _plain_backward_cases(rank, world_size):
+    out = {}
+    for stage in STAGES:
+        engine = _fp16_engine(stage)
+        x, y = odd_batch(0, BATCH, rank, world_size)
+        engine(x, y).backward()  # the torch habit
+        out[(stage, "clip")] = _attempt(lambda: engine.clip_grad_norm_(1.0))
+        out[(stage, "step")] = _attempt(engine.step)
+        engine.zero_grad()  # then the right way goes on
+        engine.backward(engine(x, y))
+        out[(stage, "after zero_grad")] = _attempt(engine.step)
+        ref = _fp16_loop(rank, world_size, stage, "reference")
+        for variant in ("plain backward, then zero_grad", "checkpoint", "no_sync"):
+            state = _fp16_loop(rank, world_size, stage, variant)
+            differ = [k for k in ref if not torch.equal(state[k], ref[k])]
+            out[(stage, variant)] = None if variant == "no_sync" else differ
+    return out
+
+
+def test_fp16_plain_loss_backward_is_refused_at_clip_and_step(tmp_path):
+    """fp16 + loss.backward(): every rank raises at clip_grad_norm_ and at step, naming engine.backward(loss);
+    after engine.zero_grad() engine.backward goes on. Checkpointing, no_sync micro-batches and a plain
+    backward discarded by zero_grad raise nothing, and the first two train bitwise as the plain loop."""
+    for rank, res in enumerate(run_ranks(_plain_backward_cases, 2, timeout_s=200, store_dir=str(tmp_path))):
+        for stage in STAGES:
+            for call in ("clip", "step"):
+                message = res[(stage, call)]
+                assert message is not None and "loss.backward()" in message, (rank, stage, call, message)
+                assert "call engine.backward(loss) under precision='fp16'" in message, message
+            assert res[(stage, "after zero_grad")] is None, (rank, stage, res[(stage, "after zero_grad")])
+            for variant in ("plain backward, then zero_grad", "checkpoint"):
+                assert res[(stage, variant)] == [], (rank, stage, variant, res[(stage, variant)])

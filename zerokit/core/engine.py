@@ -3,7 +3,8 @@
 Shared here: calling the wrapped model (with mixed precision's input cast), scaling the
 loss for fp16, the `no_sync` switch, `summon_full_params` (stage 3 overrides it; params are
 whole below), global gradient-norm clipping over shards, taking over what user code did to
-`param.grad` before a step, and the ledgers (`comm_stats`, `memory`).
+`param.grad` before a step, refusing an fp16 step on gradients no loss scale multiplied,
+recovery after a forward or backward that raised, and the ledgers (`comm_stats`, `memory`).
 
 Each stage file subclasses `Engine` directly (no stage inherits from another) and
 implements the methods of "the stage interface" below, in this order in every file:
@@ -12,10 +13,30 @@ construction (partition), the gradient hook, the end of backward, `step`, `zero_
 `load_flat_params`, the one stage-specific step of loading a checkpoint. Saving and loading
 themselves are generic (zerokit/checkpoint.py, mixed into each stage's engine), driven by
 `flat_params` and the optimizer's master shards; core depends on no feature module.
+
+[Note: recovery after an exception]
+An exception inside a forward or backward (a user hook, an op, out of memory) leaves a pass
+cut short: autograd never runs the end of a backward that raised (core/hooks.py [Note: a
+backward that raised]), stage 3 leaves units gathered or still gathering (core/unit.py),
+and collectives the pass issued are still in flight. Every stage's `zero_grad` starts with
+`discard_unfinished_pass`, which forgets the hooks' bookkeeping, waits for every collective
+already issued and discards its result with the gradients, and frees stage 3's units, so
+that training continues as if the step had never started (torch DDP itself refuses the next
+forward after a backward that raised: "Expected to have finished reduction in the prior
+iteration"). This is exact when every rank raised at the same point of the same code, so that
+every rank issued the same collectives. When only some ranks raised, the other ranks went on
+issuing collectives that the raising ranks never issue, and the ranks' collectives no longer
+pair up: nothing local can repair that. Under debug=True (core/comm.py [Note: debug mode]) the
+recovering ranks' zero_grad is a checked sync point, so every rank raises at its next
+collective, the recovering ones naming their exception and saying to rebuild the engine;
+without it the next collective pairs with a different one: gloo aborts the process when the
+sizes differ (gloo::EnforceNotMet, SIGABRT), a rank may wait until the group's timeout, and
+values could mix where sizes happen to match.
 """
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Iterator
 
 import torch
@@ -32,6 +53,7 @@ _NORM_CHUNK_NUMEL = 1 << 20  # elements converted to fp64 at a time when summing
 
 class Engine:
     stage: int = -1
+    units: list = []  # stage 3's units (core/unit.py), freed by discard_unfinished_pass; none below it
 
     def __init__(self, module: nn.Module, comm, policy: PrecisionPolicy, scaler: LossScaler | None,
                  config: ShardConfig):
@@ -52,6 +74,7 @@ class Engine:
             comm.use_tree()  # the cross-rank sum pairwise too; raises unless N is a power of two
         # fp16 + tree: the gradient's 1/N rides in the loss scale (`backward`), not in the reduction.
         self._divide_in_loss = config.reduction == "tree" and scaler is not None
+        self._backward_error: BaseException | None = None  # the last engine.backward's exception, until zero_grad
 
     # -- running the model ------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -73,7 +96,36 @@ class Engine:
         """
         if self.scaler is not None:
             loss = loss * (self.scaler.scale / self.comm.data_parallel_size if self._divide_in_loss else self.scaler.scale)
-        loss.backward()
+        self.tracker.engine_backward = True  # this backward is scaled: core/hooks.py [Note: which backward was scaled]
+        try:
+            loss.backward()
+        except BaseException as exc:
+            self._backward_error = exc  # named by discard_unfinished_pass: [Note: recovery after an exception]
+            raise
+        finally:
+            self.tracker.engine_backward = False
+
+    def check_last_backward(self) -> None:
+        """Refuse to clip or step on gradients of an `engine.backward` that raised (partial), or, under fp16,
+        of a backward the loss scale never multiplied.
+
+        The step divides by the loss scale (core/hooks.py [Note: which backward was scaled]); a
+        plain `loss.backward()` would leave every gradient that many times too small. Every rank
+        runs the same code, so every rank raises here.
+        """
+        if self._backward_error is not None:
+            raise RuntimeError(
+                f"zerokit stage {self.stage} (rank {self.rank}): the last engine.backward raised "
+                f"({type(self._backward_error).__name__}: {self._backward_error}), so its gradients are partial: "
+                "after catching it call engine.zero_grad() on every rank, then run the step again "
+                "([Note: recovery after an exception] in zerokit/core/engine.py)")
+        if self.scaler is not None and self.tracker.plain_backwards:
+            raise RuntimeError(
+                f"zerokit (fp16): this backward ran through loss.backward(), so the loss was not multiplied by "
+                f"the loss scale ({self.loss_scale:g}) that the step divides the gradients by, and every gradient "
+                f"would be that many times too small ({self.tracker.plain_backwards} backward(s) since the last "
+                "engine.zero_grad() did not go through engine.backward): call engine.backward(loss) under "
+                "precision='fp16', then engine.zero_grad() and run the step again")
 
     def register_forward_method(self, name: str) -> None:
         """Let `module.<name>(...)` (say `generate`) run the model as a call of the module does.
@@ -148,6 +200,7 @@ class Engine:
         is exact (integer bins, core/tree.py), so the norm is equal at every world size too.
         """
         self.finish_backward()
+        self.check_last_backward()
         self.check_partials_sent()
         shards = self.norm_shards()
         if self.config.reduction == "tree":  # exact, so equal at every world size: core/tree.py
@@ -253,6 +306,7 @@ class Engine:
         step's tree is done with: the next backward starts a new one even when the loop clears
         gradients with model.zero_grad() rather than engine.zero_grad().
         """
+        self.check_last_backward()
         self.check_partials_sent()
         self.clear_partials()
         for fp in self.flat_params:
@@ -276,6 +330,32 @@ class Engine:
             f"{fp.names[replaced[0]][0]!r}; at this stage only this rank's shard of the averaged gradient exists, "
             "so an assigned full gradient cannot be used. Change gradients in place (p.grad.mul_(), clamp_(), "
             "zero_()) or use stage=0")
+
+    # -- a pass that raised ([Note: recovery after an exception]) ------------------------------------
+    def discard_unfinished_pass(self, forward_cut_short: bool = False) -> None:
+        """Every stage's `zero_grad` starts here: forget a forward or backward that raised.
+
+        The hooks' per-backward bookkeeping is reset, every collective already issued is waited
+        for (its result goes with the gradients zero_grad clears), and stage 3's units are freed
+        (`forward_cut_short`: its root forward began and did not end). After a pass that completed
+        this only waits for nothing: between a forward and its backward (`optimizer.zero_grad()`
+        placed there) the units the backward needs stay gathered.
+        """
+        cut_short = self.tracker.discard() or forward_cut_short
+        self.in_flight.wait_all()
+        error, self._backward_error = self._backward_error, None
+        if not cut_short:
+            return
+        if self.comm.debug and self.comm.distributed:  # the other ranks must have raised at the same point
+            exc = sys.exc_info()[1] or error
+            what = f"{type(exc).__name__}: {exc}" if exc is not None else "an exception"
+            self.comm._check_same(
+                (self.comm.recorder.seq, "sync_point", "engine.zero_grad() after a pass that raised"),
+                f"in engine.zero_grad() after a forward or backward that raised on this rank ({what}); unless "
+                "every rank raised at the same point, the ranks' collectives no longer pair up: rebuild the "
+                "engine (zk.shard) and load the last checkpoint")
+        for unit in self.units:
+            unit.abandon_pass()
 
     # -- the stage interface: implemented by each stage file, in this order ------------------
     # 1. construction (the partition) and 2. the gradient hook are each stage's own.

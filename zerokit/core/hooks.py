@@ -36,6 +36,24 @@ The end of backward is detected with autograd's queue_callback (the mechanism to
 DDP and FSDP use): the first hook of a backward (or the stage, through `begin_backward`,
 when something of its own runs first in backward) queues `_end_of_backward`, which runs
 once the autograd engine has finished the whole graph.
+
+[Note: a backward that raised]
+autograd runs a backward's queued callbacks only when the whole graph finished: a backward
+that raised (a user hook, an op) never reaches `_end_of_backward`, and its bookkeeping (the
+parameters seen, the buckets released, `in_backward`) would make the next backward's first
+gradient look like a second one. `discard()`, called by every stage's `zero_grad` through
+`Engine.discard_unfinished_pass`, forgets it; the buckets it released have their collectives
+in the stage's in-flight queue, which that call waits for (core/engine.py [Note: recovery
+after an exception]).
+
+[Note: which backward was scaled]
+Under fp16 the step divides gradients by the loss scale, which is right only when the loss
+was multiplied by it, i.e. when the backward ran inside `engine.backward`. That sets
+`engine_backward` while it runs; the first hook of a backward (`begin_backward`, once per
+backward whatever runs first: a gradient hook, or stage 3's unit hooks) counts a backward
+begun without it in `plain_backwards`. Activation checkpointing's recompute and the hooks of
+later buckets run inside the same backward, so they count nothing; `discard()` (zero_grad)
+forgets the count with the gradients it described.
 """
 from __future__ import annotations
 
@@ -59,6 +77,8 @@ class GradReadyTracker:
         self.on_first_grad = on_first_grad
         self.in_backward = False
         self._warned: set[str] = set()  # parameters already named by _warn_unused
+        self.engine_backward = False  # True while Engine.backward runs: [Note: which backward was scaled]
+        self.plain_backwards = 0  # backwards begun outside Engine.backward since `discard`
         self._handles = []
         self._reset()
         for k, fp in enumerate(self.flat_params):
@@ -88,8 +108,11 @@ class GradReadyTracker:
             if self._seen[k][j]:
                 fp = self.flat_params[k]
                 raise RuntimeError(
-                    f"gradient hook fired twice in one backward for parameter {fp.names[j][0]!r}: "
-                    "use torch.utils.checkpoint with use_reentrant=False, and engine.no_sync() for accumulation")
+                    f"gradient hook fired twice in one backward for parameter {fp.names[j][0]!r}. Either a "
+                    "reentrant activation checkpoint recomputed it (use torch.utils.checkpoint with "
+                    "use_reentrant=False, and engine.no_sync() for accumulation), or an earlier backward raised "
+                    "and engine.zero_grad() was not called after it (catch the exception, call "
+                    "engine.zero_grad() on every rank, and run the step again)")
             self._seen[k][j] = True
             self.begin_backward()
             self._pending[k] -= 1
@@ -105,6 +128,8 @@ class GradReadyTracker:
         """A backward is running: make sure `_end_of_backward` runs once autograd has finished it."""
         if not self.in_backward:
             self.in_backward = True
+            if not self.engine_backward:
+                self.plain_backwards += 1
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _release(self, k: int) -> None:
@@ -150,6 +175,15 @@ class GradReadyTracker:
             self._end_of_backward()
             return True
         return False
+
+    def discard(self) -> bool:
+        """Forget a backward that raised, and the plain-backward count: [Note: a backward that raised].
+        True when a backward had begun and not reached its end."""
+        cut_short = self.in_backward
+        self._reset()
+        self.in_backward = False
+        self.plain_backwards = 0
+        return cut_short
 
     def remove(self) -> None:
         for h in self._handles:

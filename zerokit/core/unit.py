@@ -231,6 +231,12 @@ class Unit:
         if not self.is_root and self.pending_grads == 0 and self.pending_inputs == 0:
             self.reshard()
 
+    def abandon_pass(self) -> None:
+        """A forward or backward that raised left this unit gathered, or gathering, or counting: wait for its
+        gathers, free it, reset its counters (core/engine.py [Note: recovery after an exception])."""
+        self.reshard()
+        self.reset_backward()
+
     def reset_backward(self) -> None:
         self.pending_grads = self.num_trainable  # trainable flat params whose gradient is not reduced yet
         self.pending_inputs = 0  # watched forward calls whose input gradient is not computed yet

@@ -220,6 +220,7 @@ class DDPEngine(Checkpointing, Engine):
 
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
+        self.discard_unfinished_pass()  # a forward or backward that raised: core/engine.py
         self.clip_coef = None
         self.clear_partials()
         self.drop_reductions()

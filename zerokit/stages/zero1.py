@@ -219,6 +219,7 @@ class Zero1Engine(Checkpointing, Engine):
 
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
+        self.discard_unfinished_pass()  # a forward or backward that raised: core/engine.py
         self.clip_coef = None
         self.clear_partials()
         for fp in self.trainable:

@@ -397,6 +397,7 @@ class Zero3Engine(Checkpointing, Engine):
 
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
+        self.discard_unfinished_pass(forward_cut_short=self._in_forward)  # a pass that raised: core/engine.py
         self.clip_coef = None
         self.clear_partials()
         for fp in self.trainable:  # [Note: grad shards]
