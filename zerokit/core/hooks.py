@@ -130,7 +130,7 @@ class GradReadyTracker:
             self.in_backward = True
             if not self.engine_backward:
                 self.plain_backwards += 1
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_completed_backward)
 
     def _release(self, k: int) -> None:
         if self._released[k]:
@@ -145,8 +145,12 @@ class GradReadyTracker:
             self.on_first_grad(fp)  # storage must exist (zeros) before its collective
         self.on_bucket_ready(fp)
 
-    def _end_of_backward(self) -> None:
+    def _end_of_completed_backward(self) -> None:
+        """Autograd finished the whole graph (not a backward cut short by an exception)."""
         self._warn_unused()
+        self._end_of_backward()
+
+    def _end_of_backward(self) -> None:
         # Buckets with a parameter that got no gradient this time: release them in order.
         for k in range(len(self.flat_params)):
             self._release(k)
