@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerokit as zk
-from common import _build_ddp
+from common import ConvBlock, _build_ddp, bn_batch as batch, bn_net
 from zerokit.launch import run_ranks
 
 STEPS, BATCH = 5, 6
@@ -22,44 +22,6 @@ STAGES = (0, 1, 2, 3)
 # bf16 against fp32 DDP: 5 SGD steps with momentum of a bf16 model (params and running statistics rounded to 8
 # bits of mantissa, ~4e-3 relative) on O(1) weights; test_mixed_precision's TRACK_MAX_ATOL["bf16"] for 50 steps.
 BF16_ATOL = 0.4
-
-
-class ConvBlock(nn.Module):
-    def __init__(self, cin, cout):
-        super().__init__()
-        self.conv = nn.Conv2d(cin, cout, 3, padding=1)
-        self.bn = nn.BatchNorm2d(cout)
-
-    def forward(self, x):
-        return F.relu(self.bn(self.conv(x)))
-
-
-class BNNet(nn.Module):
-    """conv + BatchNorm2d blocks (stage 3 units hold BatchNorm buffers), then linear + BatchNorm1d."""
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([ConvBlock(3, 4), ConvBlock(4, 4)])
-        self.fc = nn.Linear(4 * 4 * 4, 8)
-        self.bn1 = nn.BatchNorm1d(8)
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x, y):
-        for block in self.blocks:
-            x = block(x)
-        h = F.relu(self.bn1(self.fc(x.flatten(1))))
-        return F.cross_entropy(self.head(h).float(), y)
-
-
-def bn_net(seed: int = 0) -> BNNet:
-    torch.manual_seed(seed)
-    return BNNet()
-
-
-def batch(step: int, rank: int):
-    """Each rank its own data, scaled differently per rank so that BatchNorm statistics differ."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(BATCH, 3, 4, 4, generator=g) * (1 + rank), torch.randint(0, 3, (BATCH,), generator=g)
 
 
 def snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -281,6 +243,16 @@ def _refusal_cases(rank, world_size):
         engine = zk.shard(m, torch.optim.SGD, stage=stage, lr=0.1, broadcast_buffers=False)
         out[("after_shard", stage)] = dict(buffers={k: v.clone() for k, v in m.named_buffers()},
                                            params=engine.state_dict(full=True))
+    # SyncBatchNorm on CPU: torch's own refusal at the first forward, on every rank, at every stage (torch DDP refuses
+    # it in its constructor: "SyncBatchNorm layers only work with GPU modules"); the group survives it.
+    for stage in STAGES:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(bn_net())
+        engine = zk.shard(model, torch.optim.SGD, stage=stage, lr=0.1, wrap=(ConvBlock,))
+        try:
+            engine(*batch(0, rank))
+            out[("syncbn_cpu", stage)] = None
+        except ValueError as exc:
+            out[("syncbn_cpu", stage)] = str(exc)
     # after the refusals the group still works
     engine = zk.shard(WithBuffer(), torch.optim.SGD, stage=0, lr=0.1)
     engine.backward(engine(torch.ones(2, 3)).sum())
@@ -323,6 +295,49 @@ def test_a_model_with_nothing_trainable_is_refused(refusals, stage):
         msg, _ = r[("frozen", stage)]
         assert msg is not None and "no parameter of this model requires grad (2 frozen parameters, 12 elements)" in msg, msg
         assert "zk.lora.inject" in msg
+
+
+def test_sync_batchnorm_on_cpu_is_torchs_own_refusal_at_every_stage(refusals):
+    """convert_sync_batchnorm on CPU: SyncBatchNorm's forward raises torch's ValueError on every rank at every stage,
+    as DDP refuses it at construction; CUDA parity with DDP+SyncBatchNorm: tests/gpu/test_sync_batchnorm_cuda.py."""
+    for r in refusals:
+        for stage in STAGES:
+            msg = r[("syncbn_cpu", stage)]
+            assert msg is not None and "SyncBatchNorm expected input tensor to be on GPU" in msg, (stage, msg)
+
+
+def _hybrid_cases(rank, world_size):
+    """4 ranks, shard_group_size=2 (stages 1-3) and plain stage 0, beside DDP: buffers over the whole world."""
+    out = {"ddp": _train_ddp(rank, True)}
+    for stage in (1, 2, 3):
+        model = bn_net()
+        engine = zk.shard(model, torch.optim.SGD, stage=stage, lr=0.1, momentum=0.9, wrap=(ConvBlock,),
+                          shard_group_size=2)
+        for step in range(STEPS):
+            engine.zero_grad()
+            engine.backward(engine(*batch(step, rank)))
+            engine.step()
+        world = engine.comm_stats(by_group=True)["world"]["broadcast"]
+        out[stage] = dict(evaluate(engine, model), **engine.state_dict(full=True)), world
+    return out
+
+
+def test_hybrid_sharding_syncs_buffers_over_every_replica(tmp_path):
+    """shard_group_size=2 at 4 ranks: after training and an eval forward every rank (both nodes) holds rank 0's
+    buffers bit for bit and the same eval loss; the broadcasts run over the world group; DDP within DDP_ATOL."""
+    results = run_ranks(_hybrid_cases, 4, store_dir=str(tmp_path), timeout_s=180)
+    per_forward = sum(b.numel() * b.element_size() for b in bn_net().buffers())
+    for stage in (1, 2, 3):
+        ref = results[0][stage][0]
+        for rank, r in enumerate(results):
+            got, world_bytes = r[stage]
+            for k in ref:
+                assert torch.equal(got[k].float(), ref[k].float()), (stage, rank, k)
+            for k in r["ddp"]:
+                torch.testing.assert_close(got[k].float(), r["ddp"][k], rtol=0, atol=1e-5, msg=f"{stage} {k}")
+            # the initial broadcast of every param and buffer runs over the world too
+            init = sum(t.numel() * t.element_size() for t in bn_net().state_dict().values())
+            assert world_bytes == init + STEPS * per_forward, (stage, world_bytes, init, per_forward)
 
 
 def _moved_cases(rank, world_size):
