@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import zerokit as zk  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
-from zerokit.models import Block, CharCorpus, build_model  # noqa: E402
+from zerokit.models import Block, CharCorpus, build_model, preset  # noqa: E402
 from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
 
 
@@ -65,7 +65,8 @@ def _batches(model_name: str, cfg: dict, corpus, step: int, rank: int, world_siz
         x, y = corpus.batch(cfg["batch_size"], cfg["block_size"], step * world_size + rank)
         return x, y
     g = torch.Generator().manual_seed(step * world_size + rank)
-    return torch.randn(cfg["batch_size"], 3, 16, 16, generator=g), torch.randint(0, 10, (cfg["batch_size"],), generator=g)
+    n = cfg["batch_size"]
+    return torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
 def _build(model_name: str, cfg: dict):
@@ -159,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="results path without extension (.json and .md are written)")
     args = p.parse_args(argv)
     record = provenance(command_line(__file__, argv))
-    from zerokit.models import preset
-    cfg = {"gpt": args.gpt, "block_size": preset(args.gpt).block_size, "cnn_width": args.cnn_width, "cnn_depth": args.cnn_depth, "batch_size": args.batch_size,
+    cfg = {"gpt": args.gpt, "block_size": preset(args.gpt).block_size, "cnn_width": args.cnn_width,
+           "cnn_depth": args.cnn_depth, "batch_size": args.batch_size,
            "stage": args.stage, "steps": args.steps, "warmup": max(1, args.warmup)}
     start = time.perf_counter()
     rows = summarize(run_ranks(bench_rank, args.nproc, cfg, timeout_s=args.timeout))

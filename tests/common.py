@@ -133,7 +133,7 @@ def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().clone() for k, v in module.state_dict().items()}
 
 
-def _build_ddp(model):
+def _build_ddp(model, **ddp_kwargs):
     """torch's DDP. Under TORCH_DISTRIBUTED_DEBUG=DETAIL its constructor segfaults on torch 2.13
     with gloo (in the logger, on the debug-wrapped process group), so there the reference gets
     its own process group created without the wrapper; zerokit's collectives keep DETAIL's
@@ -142,13 +142,13 @@ def _build_ddp(model):
     from torch.nn.parallel import DistributedDataParallel as DDP
     level = dist.get_debug_level()
     if level != dist.DebugLevel.DETAIL:
-        return DDP(model)
+        return DDP(model, **ddp_kwargs)
     dist.set_debug_level(dist.DebugLevel.INFO)
     try:
         group = dist.new_group(backend="gloo")  # every rank calls this, in the same order
     finally:
         dist.set_debug_level(level)
-    return DDP(model, process_group=group)
+    return DDP(model, process_group=group, **ddp_kwargs)
 
 
 def train_torch_ddp(rank: int, world_size: int, optimizer_cls, opt_kwargs: dict, steps: int, batch_size: int,

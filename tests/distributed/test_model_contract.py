@@ -40,10 +40,9 @@ def evaluate(wrapper, model) -> dict[str, torch.Tensor]:
 
 
 def _train_ddp(rank, broadcast_buffers: bool):
-    from torch.nn.parallel import DistributedDataParallel as DDP
     model = bn_net()
     warnings.filterwarnings("ignore", "`broadcast_buffers` is deprecated", FutureWarning)  # torch 2.13 still honours it
-    ddp = DDP(model, broadcast_buffers=broadcast_buffers) if broadcast_buffers is not True else _build_ddp(model)
+    ddp = _build_ddp(model, broadcast_buffers=broadcast_buffers)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
@@ -73,9 +72,8 @@ def _train_zerokit(rank, stage, precision="fp32", broadcast_buffers=True):
 
 def _count_syncs(rank):
     """Which forwards broadcast buffers, zerokit's engine against DDP, over a sequence mixing grad modes."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
     model = bn_net()
-    ddp = DDP(model)
+    ddp = _build_ddp(model)
     syncs = []
     original = ddp._distributed_broadcast_coalesced
     ddp._distributed_broadcast_coalesced = lambda *a, **k: (syncs.append(1), original(*a, **k))[1]
@@ -192,7 +190,8 @@ def test_report_max_differences(parity, capsys):
                 vs_ddp = max(_max_diff(g, r["ddp"]) for g, r in zip(got, parity))
                 between = _max_diff(got[0], got[1])
                 bufs = _buffer_keys(got[0])
-                vs_ddp_buf = max(max((g[k] - r["ddp"][k]).abs().max().item() for k in bufs) for g, r in zip(got, parity))
+                vs_ddp_buf = max(max((g[k] - r["ddp"][k]).abs().max().item() for k in bufs)
+                                 for g, r in zip(got, parity))
                 print(f"stage {stage} {precision}: max |zk - DDP| all {vs_ddp:.3g} buffers {vs_ddp_buf:.3g}; "
                       f"between ranks {between:.3g}")
             local = [r[(stage, "fp32", False)][0] for r in parity]
@@ -293,7 +292,8 @@ def test_rank1_init_never_survives_zk_shard(refusals, stage):
 def test_a_model_with_nothing_trainable_is_refused(refusals, stage):
     for r in refusals:
         msg, _ = r[("frozen", stage)]
-        assert msg is not None and "no parameter of this model requires grad (2 frozen parameters, 12 elements)" in msg, msg
+        assert msg is not None, stage
+        assert "no parameter of this model requires grad (2 frozen parameters, 12 elements)" in msg, msg
         assert "zk.lora.inject" in msg
 
 

@@ -141,8 +141,8 @@ class ModelGuard:
         devices = sorted({str(i.param.device) for i in infos})
         if len(devices) > 1:
             where = {d: next(i.names[0] for i in infos if str(i.param.device) == d) for d in devices}
-            problems.append("parameters are on several devices: "
-                            + ", ".join(f"{n!r} on {d}" for d, n in where.items()) + "; move the model to one device first")
+            problems.append("parameters are on several devices: " + ", ".join(f"{n!r} on {d}" for d, n in where.items())
+                            + "; move the model to one device first")
         for info in infos:
             if not info.param.is_floating_point():
                 problems.append(f"parameter {info.names[0]!r} has dtype {info.param.dtype}; "
