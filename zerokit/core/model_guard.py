@@ -115,8 +115,13 @@ class ModelGuard:
         broadcast_module_state(module, comm)
         self._check_values()
         self._check_trainable()
-        self.buffer_kinds = {name: (b.dtype, b.device) for name, b in unique_buffers(module)}
-        self.param_ids = [id(i.param) for i in self.params]  # a Parameter replaced (model.to(other device))
+        # Where each parameter and buffer is registered (module, key): read per forward without walking the model.
+        self.param_slots = [(mod, key, p, f"{prefix}.{key}".lstrip("."))
+                            for prefix, mod in module.named_modules(remove_duplicate=False)
+                            for key, p in mod._parameters.items() if p is not None]
+        self.buffer_slots = [(mod, key, f"{prefix}.{key}".lstrip("."), b.dtype, b.device)
+                             for prefix, mod in module.named_modules(remove_duplicate=False)
+                             for key, b in mod._buffers.items() if b is not None]
         self.sync_next_forward = True  # DDP's require_forward_param_sync: [Note: buffers as DDP keeps them]
         self._expected: list | None = None  # (param, name, dtype, device, storage), from the engine's flat buffers
 
@@ -213,8 +218,11 @@ class ModelGuard:
     def sync_buffers(self) -> None:
         """Rank 0's buffers to every rank: one broadcast per (dtype, device), none without buffers."""
         groups: dict[tuple, list[torch.Tensor]] = {}
-        for _, b in unique_buffers(self.module):
-            if b.numel():
+        seen = set()
+        for mod, key, _, _, _ in self.buffer_slots:  # read afresh: a buffer may be reassigned, as DDP re-reads them
+            b = mod._buffers.get(key)
+            if b is not None and b.numel() and id(b) not in seen:
+                seen.add(id(b))
                 groups.setdefault((b.dtype, b.device), []).append(b)
         if not groups or self.world.world_size == 1:  # a simulated rank counts them too
             return
@@ -234,22 +242,23 @@ class ModelGuard:
             self._expected = [(p, fp.names[j][0], data.dtype, data.device, data.untyped_storage()._cdata)
                               for fp, data in zip(engine.flat_params, engine.flat_data)
                               for j, p in enumerate(fp.params)]
-        if [id(p) for p in self.module.parameters()] != self.param_ids:
-            known = set(self.param_ids)
-            name, p = next(((n, p) for n, p in self.module.named_parameters() if id(p) not in known),
-                           (self.params[0].names[0], None))
-            self._refuse(f"parameter {name!r} is no longer the Parameter the engine was built with"
-                         + (f" (now {p.dtype} on {p.device})" if p is not None else " (removed)"))
-        for p, name, dtype, device, storage in self._expected:
-            if p.dtype != dtype or p.device != device or p.untyped_storage()._cdata != storage:
-                now = (f"is now {p.dtype} on {p.device}" if (p.dtype, p.device) != (dtype, device)
-                       else "no longer lives in the engine's flat buffer")
-                self._refuse(f"parameter {name!r} {now}, but the engine was built with {dtype} on {device}")
-        for name, b in self.module.named_buffers():
-            kind = self.buffer_kinds.get(name)
-            if kind is not None and (b.dtype, b.device) != kind:
+        for mod, key, p, name in self.param_slots:  # a Parameter replaced (model.to(another device) does)
+            now = mod._parameters.get(key)
+            if now is not p:
+                self._refuse(f"parameter {name!r} is no longer the Parameter the engine was built with"
+                             + (f" (now {now.dtype} on {now.device})" if now is not None else " (removed)"))
+        with torch._C.DisableTorchFunctionSubclass():  # metadata only: skip stage 3's sharded-parameter dispatch
+            changed = [(p, name, dtype, device) for p, name, dtype, device, storage in self._expected
+                       if p.dtype != dtype or p.device != device or p.untyped_storage()._cdata != storage]
+        for p, name, dtype, device in changed[:1]:
+            now = (f"is now {p.dtype} on {p.device}" if (p.dtype, p.device) != (dtype, device)
+                   else "no longer lives in the engine's flat buffer")
+            self._refuse(f"parameter {name!r} {now}, but the engine was built with {dtype} on {device}")
+        for mod, key, name, dtype, device in self.buffer_slots:
+            b = mod._buffers.get(key)
+            if b is not None and (b.dtype != dtype or b.device != device):
                 self._refuse(f"buffer {name!r} is now {b.dtype} on {b.device}, but the engine was built with "
-                             f"{kind[0]} on {kind[1]}")
+                             f"{dtype} on {device}")
 
     def _refuse(self, what: str) -> None:
         raise RuntimeError(
