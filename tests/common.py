@@ -89,11 +89,51 @@ def fixed_corpus() -> CharCorpus:
     return CharCorpus("\n".join(lines) + "\n")
 
 
+class ConvBlock(nn.Module):
+    """conv + BatchNorm2d: the buffers of a stage-3 unit (tests/distributed/test_model_contract.py)."""
+
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, padding=1)
+        self.bn = nn.BatchNorm2d(cout)
+
+    def forward(self, x):
+        return F.relu(self.bn(self.conv(x)))
+
+
+class BNNet(nn.Module):
+    """conv + BatchNorm2d blocks (stage 3 units hold BatchNorm buffers), then linear + BatchNorm1d."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([ConvBlock(3, 4), ConvBlock(4, 4)])
+        self.fc = nn.Linear(4 * 4 * 4, 8)
+        self.bn1 = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = block(x)
+        h = F.relu(self.bn1(self.fc(x.flatten(1))))
+        return F.cross_entropy(self.head(h).float(), y)
+
+
+def bn_net(seed: int = 0) -> BNNet:
+    torch.manual_seed(seed)
+    return BNNet()
+
+
+def bn_batch(step: int, rank: int, batch_size: int = 6):
+    """Each rank its own data, scaled differently per rank so that BatchNorm statistics differ."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(batch_size, 3, 4, 4, generator=g) * (1 + rank), torch.randint(0, 3, (batch_size,), generator=g)
+
+
 def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().clone() for k, v in module.state_dict().items()}
 
 
-def _build_ddp(model):
+def _build_ddp(model, **ddp_kwargs):
     """torch's DDP. Under TORCH_DISTRIBUTED_DEBUG=DETAIL its constructor segfaults on torch 2.13
     with gloo (in the logger, on the debug-wrapped process group), so there the reference gets
     its own process group created without the wrapper; zerokit's collectives keep DETAIL's
@@ -102,13 +142,13 @@ def _build_ddp(model):
     from torch.nn.parallel import DistributedDataParallel as DDP
     level = dist.get_debug_level()
     if level != dist.DebugLevel.DETAIL:
-        return DDP(model)
+        return DDP(model, **ddp_kwargs)
     dist.set_debug_level(dist.DebugLevel.INFO)
     try:
         group = dist.new_group(backend="gloo")  # every rank calls this, in the same order
     finally:
         dist.set_debug_level(level)
-    return DDP(model, process_group=group)
+    return DDP(model, process_group=group, **ddp_kwargs)
 
 
 def train_torch_ddp(rank: int, world_size: int, optimizer_cls, opt_kwargs: dict, steps: int, batch_size: int,

@@ -100,7 +100,7 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
           loss_scaler: dict | None = None, ordered_reduction: bool | None = None, comm: Comm | None = None,
           accumulate: str | None = None, max_in_flight: int = 2, cast_inputs: bool = True,
           debug: bool | None = None, reduction: str = "linear", shard_group_size: int | None = None,
-          **optimizer_kwargs):
+          broadcast_buffers: bool = True, **optimizer_kwargs):
     """Wrap `model` for ZeRO stage `stage` (0 = DDP) and build its sharded optimizer.
 
     Every stage takes the same keywords (a stage ignores those it has no use for, such
@@ -141,6 +141,20 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     under the ordered reduction (core/hybrid.py [Note: hybrid sharding]). Stage 0 shards nothing
     and ignores it. `group=(shard_group, replicate_group)` passes ready-made groups instead, such
     as `zk.hybrid_groups(S)` builds once for several engines.
+    `broadcast_buffers=True` (every stage, as torch DDP's default): rank 0's buffers (BatchNorm's
+    running statistics, ...) are broadcast to every rank before a forward of `engine(...)` exactly
+    when DDP would broadcast them before `ddp(x)` (the first forward, and any forward after one
+    that ran with grad enabled outside `no_sync()`), so every replica holds rank 0's bits; one
+    broadcast per buffer dtype, none for a model without buffers, counted by the comm ledger in
+    phase "buffers". Calling `model(x)` itself does not broadcast (as `ddp.module(x)`). False
+    keeps each rank's buffers local, as DDP(broadcast_buffers=False). `torch.nn.SyncBatchNorm`
+    synchronises its own statistics in its forward, at every stage as under DDP.
+    At construction every rank checks that every rank built the same model (parameters and
+    buffers: names, shapes, dtypes, requires_grad) and, after rank 0's values are broadcast,
+    holds the same bits, and raises on every rank naming the first difference otherwise; a model
+    with no parameter that requires grad is refused. A model cast or moved after `zk.shard`
+    (`model.half()`, `.to(...)`) is refused at the next `engine(...)` or step: cast or move
+    it first (core/model_guard.py).
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {sorted(STAGES)}, got {stage!r}")
@@ -150,7 +164,8 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
         raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer class, got {optimizer_cls!r}")
     config = ShardConfig(stage=stage, bucket_numel=bucket_numel, param_groups=param_groups, cast_inputs=cast_inputs,
                          accumulate=accumulate, max_in_flight=max_in_flight, wrap=wrap, prefetch=prefetch,
-                         reshard_after_forward=reshard_after_forward, reduction=reduction)
+                         reshard_after_forward=reshard_after_forward, reduction=reduction,
+                         broadcast_buffers=broadcast_buffers)
     check_optimizer_kwargs(optimizer_cls, optimizer_kwargs, _SHARD_OPTIONS)
     policy = make_policy(precision, reduce_dtype=reduce_dtype)
     if loss_scaler is not None and not policy.uses_loss_scaler:

@@ -1,5 +1,5 @@
-"""benchmarks/gather_cost.py, reduce_scatter_cost.py, stage0_phases.py, stage1_phases.py, sweep.py and paired_steps.py: a
-short run writes complete records and tables."""
+"""benchmarks/gather_cost.py, reduce_scatter_cost.py, stage0_phases.py, stage1_phases.py, sweep.py, paired_steps.py and
+buffer_broadcast.py: a short run writes complete records and tables."""
 import json
 import sys
 from pathlib import Path
@@ -187,3 +187,21 @@ def test_paired_steps_times_each_stage_beside_its_peers_in_turns(tmp_path):
         assert r["ci95"][0] <= r["median_ratio"] <= r["ci95"][1]
         assert r["max_abs_dloss"] == 0.0, r  # 2 ranks: one addition per element, any order
         assert f"| {r['median_ratio']:.3f} | {r['ci95'][0]:.3f}-{r['ci95'][1]:.3f} |" in md
+
+
+@pytest.mark.timeout(120)
+def test_buffer_broadcast_costs_nothing_without_buffers_and_counts_bytes_with(tmp_path):
+    """2 ranks, tiny GPT and a one-block CNN: the GPT (no buffers) sends 0 buffer bytes in 0 broadcasts with
+    broadcast_buffers=True; the CNN sends its buffers' bytes in one broadcast per dtype; without, nothing."""
+    import buffer_broadcast
+    argv = ["--nproc", "2", "--gpt", "tiny", "--cnn-width", "8", "--cnn-depth", "1", "--steps", "2", "--warmup", "1",
+            "--out", str(tmp_path / "bb")]
+    assert buffer_broadcast.main(argv) == 0
+    record = json.loads((tmp_path / "bb.json").read_text())
+    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/buffer_broadcast.py " + " ".join(argv)
+    gpt, cnn = record["rows"]
+    assert gpt["buffers"] == 0 and gpt["with"]["collectives_per_step"] == 0 and gpt["with"]["bytes_per_step"] == 0
+    assert cnn["with"]["collectives_per_step"] == 2 and cnn["with"]["bytes_per_step"] == cnn["buffer_bytes"] > 0
+    assert gpt["without"]["bytes_per_step"] == cnn["without"]["bytes_per_step"] == 0
+    assert all(r[k]["step_ms"] > 0 for r in (gpt, cnn) for k in ("with", "without"))
+    assert "| cnn |" in (tmp_path / "bb.md").read_text()

@@ -41,6 +41,7 @@ class ShardConfig:
     prefetch: int = 1  # stage 3: units gathered ahead of the one computing
     reshard_after_forward: bool = True  # stage 3: free a unit's params between its forward and backward
     reduction: str = "linear"  # every stage: "tree" for world-size-independent bits (core/tree.py)
+    broadcast_buffers: bool = True  # every stage: rank 0's buffers before each forward, as DDP (core/model_guard.py)
 
     def __post_init__(self) -> None:
         _check_int("stage", self.stage, 0, 3)
@@ -61,6 +62,7 @@ class ShardConfig:
             raise TypeError(f"param_groups must be a callable(name, param) -> dict, got {self.param_groups!r}")
         wrap_matcher(self.wrap)  # raises on a policy that is neither classes nor a callable
         object.__setattr__(self, "cast_inputs", bool(self.cast_inputs))
+        object.__setattr__(self, "broadcast_buffers", bool(self.broadcast_buffers))
         object.__setattr__(self, "reshard_after_forward", bool(self.reshard_after_forward))
 
     @classmethod

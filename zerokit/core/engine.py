@@ -44,6 +44,7 @@ from torch import nn
 
 from zerokit.core.config import ShardConfig
 from zerokit.core.grad_reduce import GradReduction
+from zerokit.core.model_guard import ModelGuard
 from zerokit.core.precision import LossScaler, PrecisionPolicy, cast_floating_tensors
 from zerokit.core.tree import PartialSums, exact_square_sum, norm_from_square_sum
 
@@ -64,6 +65,9 @@ class Engine:
         self.config = config
         self.rank, self.world_size = comm.rank, comm.world_size
         self.sync_gradients = True  # False inside no_sync(): accumulate locally, no communication
+        # Ranks agree on the model and hold rank 0's values, or every rank raises; then buffers are kept as
+        # DDP keeps them and a model changed under the engine is refused (core/model_guard.py).
+        self.guard = ModelGuard(module, comm, self.stage, config)
         # bf16/fp16: floating-point forward inputs are cast to the param dtype (None: no cast).
         self.input_dtype = policy.param_dtype if config.cast_inputs and policy.needs_master else None
         # Set by clip_grad_norm_, handed to the next optimizer step, forgotten by zero_grad.
@@ -80,13 +84,20 @@ class Engine:
     def __call__(self, *args, **kwargs):
         """Run the wrapped model (every stage's forward, stage 3's root hooks included, starts here).
 
+        First the model is checked to be the one the engine was built with (dtype, device,
+        storage) and, with `broadcast_buffers` (the default), rank 0's buffers are broadcast
+        when torch DDP would (core/model_guard.py [Note: buffers as DDP keeps them]): only
+        here, as DDP only in `ddp(x)`, never in `model(x)`.
         Under bf16/fp16 (unless `cast_inputs=False`) floating-point tensors among the
         arguments, however nested, are cast to the param dtype first; integer and bool
         tensors are left alone; the output is not cast back (core/precision.py, item 5).
         """
+        self.guard.before_forward(self)
         if self.input_dtype is not None:
             args, kwargs = cast_floating_tensors((args, kwargs), self.input_dtype)
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        self.guard.after_forward(self)
+        return output
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), with the loss multiplied by the fp16 loss scale first.
@@ -304,9 +315,11 @@ class Engine:
         assigned tensor except at stage 0 (`adopt_assigned_grads`). Under reduction="tree",
         micro-batches still held as partial sums (no synced backward) are refused too, and the
         step's tree is done with: the next backward starts a new one even when the loop clears
-        gradients with model.zero_grad() rather than engine.zero_grad().
+        gradients with model.zero_grad() rather than engine.zero_grad(). A model cast or
+        moved since zk.shard is refused first (core/model_guard.py).
         """
         self.check_last_backward()
+        self.guard.before_step(self)  # dtype/device moves of the model: core/model_guard.py
         self.check_partials_sent()
         self.clear_partials()
         for fp in self.flat_params:

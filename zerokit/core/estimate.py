@@ -37,6 +37,7 @@ What is not here. Activations are not model states and no ZeRO stage shards them
 batch size and sequence length; `activation_bytes_estimate` gives a rough figure for zerokit's GPT.
 Stage 3 also holds its working set, the unsharded units being computed and prefetched (see
 docs/design.md); communication buffers, the CUDA context and allocator fragmentation are not counted.
+Nor are the model's buffers (BatchNorm statistics, ...): every rank holds them whole, at every stage.
 
 [Note: hybrid sharding bytes]
 Hybrid sharding (`shard_group_size=S`, S dividing N) splits the N ranks two ways: ranks
@@ -334,6 +335,9 @@ def comm_bytes_per_step(num_params: int, stage: int, param_bytes: int, grad_byte
         stage 3      all-gather params in forward and again in backward    2·Ψ·p + Ψ_t·g
                      (frozen ones too) + reduce-scatter of the gradients
     With p = g that is 2Ψg for stages 0-2 and 3Ψg (1.5x) for stage 3.
+    Buffers are not included: with `broadcast_buffers=True` (the default) every forward that DDP
+    would sync adds a broadcast of the model's buffer bytes B (at any stage; 0 for a model without
+    buffers), which the comm ledger counts under phase "buffers" (core/model_guard.py).
     """
     psi = _as_count(num_params, "num_params")
     psi_t = psi if trainable_params is None else _as_count(trainable_params, "trainable_params")

@@ -64,6 +64,7 @@ from torch import nn
 from zerokit.core.comm import free_storage
 from zerokit.core.config import WrapPolicy, wrap_matcher
 from zerokit.core.flat_param import FlatParamLayout, ParamInfo, summarize_names
+from zerokit.core.model_guard import move_hint
 from zerokit.core.nest import map_tensors, tensors_in
 from zerokit.core.user_grads import _flat_args
 
@@ -315,7 +316,7 @@ def _refuse_sharded(param, what: str):
         "Read or change parameters inside `with engine.summon_full_params():` (every rank enters it), take the "
         "whole model with `engine.state_dict(full=True)` (a collective: every rank calls it), and save or load "
         "with `engine.save()` / `engine.load()`. A method that runs the model without calling it (a PEFT "
-        "model's generate()) needs `engine.register_forward_method(\"generate\")` first.")
+        "model's generate()) needs `engine.register_forward_method(\"generate\")` first." + move_hint(what))
 
 
 # ---------------------------------------------------------------------- which params go where

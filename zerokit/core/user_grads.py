@@ -106,6 +106,7 @@ class ShardedGrad(torch.Tensor):
 
 
 def _refuse(g: ShardedGrad, what: str):
+    from zerokit.core.model_guard import move_hint  # imported here: core/model_guard.py imports flat_param, which imports this
     # RuntimeError, not TypeError: torch turns a TypeError inside `+`, `*`, ... into NotImplemented.
     held = (f"only its shard of the averaged gradient ({g.local.numel()} of {g.numel()} elements), as with FSDP2"
             if g.comm is not None else
@@ -116,7 +117,7 @@ def _refuse(g: ShardedGrad, what: str):
         f"{held}. "
         f"{what} is not supported on it. Supported: norms (torch.nn.utils.clip_grad_norm_, .norm(), "
         "torch.linalg.vector_norm), mul_/div_/clamp_/zero_ and their torch._foreach_ forms. Read gradients "
-        "before they are sharded with stage=0, or use engine.clip_grad_norm_().")
+        "before they are sharded with stage=0, or use engine.clip_grad_norm_()." + move_hint(what))
 
 
 def _flat_args(args, kwargs):

@@ -57,8 +57,7 @@ from zerokit.checkpoint import Checkpointing
 from zerokit.core.bucketing import InFlight, plan_all_reduce_groups
 from zerokit.core.config import ShardConfig
 from zerokit.core.engine import Engine
-from zerokit.core.flat_param import (FlatParamLayout, broadcast_module_state, build_flat_params, check_module,
-                                     summarize_names)
+from zerokit.core.flat_param import FlatParamLayout, build_flat_params, summarize_names
 from zerokit.core.grad_reduce import GradReduction
 from zerokit.core.hooks import GradReadyTracker
 from zerokit.optim.sharded import ShardedOptimizer
@@ -98,8 +97,7 @@ class DDPEngine(Checkpointing, Engine):
     def __init__(self, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *, comm, policy, scaler,
                  config: ShardConfig):
         super().__init__(module, comm, policy, scaler, config)
-        infos = check_module(module, comm, self.stage, config.param_groups)
-        broadcast_module_state(module, comm)
+        infos = self.guard.params  # checked to agree across ranks, rank 0's values broadcast: core/model_guard.py
         self.flat_params: list[FlatParamLayout] = build_flat_params(infos, self.world_size, self.rank,
                                                                     config.bucket_numel)
         self.flat_data: list[torch.Tensor] = []  # (padded_numel,) param dtype, one per bucket

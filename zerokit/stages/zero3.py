@@ -112,7 +112,7 @@ from zerokit.core.bucketing import InFlight
 from zerokit.core.comm import free_storage
 from zerokit.core.config import ShardConfig
 from zerokit.core.engine import Engine
-from zerokit.core.flat_param import FlatParamLayout, broadcast_module_state, build_flat_params, check_module
+from zerokit.core.flat_param import FlatParamLayout, build_flat_params
 from zerokit.core.grad_reduce import GradReduction
 from zerokit.core.hooks import GradReadyTracker
 from zerokit.core.nest import tensors_in
@@ -130,9 +130,8 @@ class Zero3Engine(Checkpointing, Engine):
         super().__init__(module, comm, policy, scaler, config)
         self.prefetch = config.prefetch  # units gathered ahead of the one computing
         self.reshard_after_forward = config.reshard_after_forward
-        infos = check_module(module, comm, self.stage, config.param_groups)
+        infos = self.guard.params  # checked to agree across ranks, rank 0's values broadcast: core/model_guard.py
         unit_members = split_into_units(module, config.wrap, infos)  # raises on a tie across units, on every rank
-        broadcast_module_state(module, comm)
         self.flat_params: list[FlatParamLayout] = []  # root's first, then each unit's, in registration order
         units_flat_params = []  # per unit: its flat params, one per group, never split (bucket_numel None)
         for _name, _module, members in unit_members:
