@@ -84,6 +84,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600) -> tupl
     # Before the group exists: imported later (torch.optim imports it on first use), its
     # `group=group.WORLD` defaults would hold the group past destroy_process_group().
     importlib.import_module("torch.distributed.nn")
+    import faulthandler
+    if not faulthandler.is_enabled():  # a native crash (SIGSEGV, SIGABRT, ...) prints this rank's Python stack
+        faulthandler.enable()
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     import atexit
 

@@ -387,3 +387,50 @@ def test_a_model_moved_under_the_engine_is_refused_at_the_next_use():
             assert "before zk.shard" in msg, (stage, name, clear, where, msg)
             assert ("'stat'" if name == "buffer" else "'lin.") in msg, (stage, name, clear, msg)
         assert all(r[(0, name, "engine")][0] in ("forward",) for name in ("half", "double", "bf16", "device"))
+
+
+class HalfFrozen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.head = nn.Linear(3, 1)
+        self.head.requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.lin(x)))
+
+
+def _flipped_cases(rank, world_size):
+    """A parameter frozen or unfrozen after zk.shard, at every stage: where it is refused and with what message."""
+    flips = {"unfreeze": lambda m: m.head.weight.requires_grad_(True),
+             "freeze": lambda m: m.lin.weight.requires_grad_(False)}
+    out = {}
+    for stage in STAGES:
+        for name, flip in flips.items():
+            torch.manual_seed(0)
+            m = HalfFrozen()
+            engine = zk.shard(m, torch.optim.SGD, stage=stage, lr=0.1, wrap=(nn.Linear,))
+            x = torch.ones(2, 3)
+            engine.backward(engine(x).sum())
+            engine.step()
+            engine.zero_grad()
+            try:
+                flip(m)
+                engine.backward(engine(x).sum())
+                engine.step()
+                out[(stage, name)] = "accepted"
+            except RuntimeError as exc:
+                out[(stage, name)] = str(exc)
+    return out
+
+
+def test_a_parameter_frozen_or_unfrozen_after_zk_shard_is_refused_at_the_next_use():
+    """Unfreezing after zk.shard used to leave the parameter untrained without a word (it had no gradient
+    storage, hook or optimizer state); freezing kept stepping it. Both are refused at the next forward, naming
+    the parameter and the fix, at every stage."""
+    results = run_ranks(_flipped_cases, 2, timeout_s=120, collective_timeout_s=30)
+    for r in results:
+        for (stage, name), msg in r.items():
+            assert msg != "accepted", (stage, name)
+            assert ("'head.weight'" if name == "unfreeze" else "'lin.weight'") in msg, (stage, name, msg)
+            assert "before zk.shard" in msg and "requires_grad" in msg, (stage, name, msg)

@@ -46,7 +46,10 @@ storage, so the optimizer would keep updating buffers the model no longer reads 
 training would silently use stale weights). Each `engine(...)` and each step compares every
 parameter's dtype, device and storage, and every buffer's dtype and device, with what the
 engine built (no collective; a pass over the parameters' metadata) and refuses naming the
-parameter and the fix: move or cast the model before `zk.shard`.
+parameter and the fix: move or cast the model before `zk.shard`. A parameter frozen or
+unfrozen after `zk.shard` is refused the same way: the engine built gradient storage, hooks and
+optimizer state for exactly the parameters that required grad, so an unfrozen one would never
+train (torch DDP has the same rule: its reducer is built once, at construction).
 """
 from __future__ import annotations
 
@@ -124,6 +127,7 @@ class ModelGuard:
                              for key, b in mod._buffers.items() if b is not None]
         self.sync_next_forward = True  # DDP's require_forward_param_sync: [Note: buffers as DDP keeps them]
         self._expected: list | None = None  # (param, name, dtype, device, storage), from the engine's flat buffers
+        self._trainable: list = []  # (param, name, requires_grad at zk.shard)
 
     # -- construction: [Note: agreement before training] ---------------------------------------
     def _agree(self, digest: int, problem: bool, label: str) -> bool:
@@ -244,14 +248,26 @@ class ModelGuard:
             self._expected = [(p, fp.names[j][0], data.dtype, data.device, data.untyped_storage()._cdata)
                               for fp, data in zip(engine.flat_params, engine.flat_data)
                               for j, p in enumerate(fp.params)]
+            self._trainable = [(p, fp.names[j][0], fp.requires_grad) for fp in engine.flat_params
+                               for j, p in enumerate(fp.params)]
         for mod, key, p, name in self.param_slots:  # a Parameter replaced (model.to(another device) does)
             now = mod._parameters.get(key)
             if now is not p:
                 self._refuse(f"parameter {name!r} is no longer the Parameter the engine was built with"
                              + (f" (now {now.dtype} on {now.device})" if now is not None else " (removed)"))
         with torch._C.DisableTorchFunctionSubclass():  # metadata only: skip stage 3's sharded-parameter dispatch
+            flipped = [(name, was) for p, name, was in self._trainable if p.requires_grad != was]
             changed = [(p, name, dtype, device) for p, name, dtype, device, storage in self._expected
                        if p.dtype != dtype or p.device != device or p.untyped_storage()._cdata != storage]
+        for name, was in flipped[:1]:
+            raise RuntimeError(
+                f"zerokit stage {self.stage} (rank {self.comm.rank}): parameter {name!r} was "
+                f"{'trainable' if was else 'frozen'} at zk.shard and has requires_grad={not was} now. The engine gives "
+                "gradient storage, hooks, a master copy and optimizer state to exactly the parameters that required "
+                "grad when it was built, so it would " + ("keep stepping it with a zero gradient" if was else
+                                                           "never train it") + ": freeze or unfreeze parameters before "
+                "zk.shard, and build a new engine (engine.save / load carries the training state across) when the "
+                "set of trainable parameters changes")
         for p, name, dtype, device in changed[:1]:
             now = (f"is now {p.dtype} on {p.device}" if (p.dtype, p.device) != (dtype, device)
                    else "no longer lives in the engine's flat buffer")
