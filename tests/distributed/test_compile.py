@@ -20,7 +20,7 @@ from common import fixed_corpus
 from zerokit.launch import run_ranks
 from zerokit.models import Block, build_model
 
-STEPS = 2
+STEPS = 3
 BACKEND = "aot_eager"
 
 
@@ -34,7 +34,7 @@ def _train(rank, world_size, stage, how):
     elif how == "blocks":
         for block in model.blocks:
             block.compile(backend=BACKEND)
-    losses = []
+    losses, graphs = [], []
     for step in range(STEPS):
         x, y = fixed_corpus().batch(2, model.cfg.block_size, step, rank, world_size)
         _, loss = engine(x, y)
@@ -42,28 +42,32 @@ def _train(rank, world_size, stage, how):
         engine.step()
         engine.zero_grad()
         losses.append(loss.detach())
-    return torch.stack(losses), engine.state_dict(full=True)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    return torch.stack(losses), engine.state_dict(full=True), graphs[-1] - graphs[1]
 
 
 def _compiled_vs_eager(rank, world_size, stages):
-    """Per stage and way of compiling: (losses equal, max |state difference|) against the eager run."""
+    """Per stage and way of compiling: (losses equal, max |state difference|) against the eager run, and the graphs
+    compiled after the second step (the first two may compile: `.grad` appears in the second)."""
     out = {}
     for stage in stages:
-        eager_losses, eager_state = _train(rank, world_size, stage, "eager")
+        eager_losses, eager_state, _ = _train(rank, world_size, stage, "eager")
         for how in ("whole", "blocks"):
-            losses, state = _train(rank, world_size, stage, how)
+            losses, state, recompiled = _train(rank, world_size, stage, how)
             diff = max((state[k].float() - eager_state[k].float()).abs().max().item() for k in eager_state)
-            out[(stage, how)] = (torch.equal(losses, eager_losses), diff)
+            out[(stage, how)] = (torch.equal(losses, eager_losses), diff, recompiled)
     return out
 
 
 @pytest.mark.parametrize("world_size, stages", [(2, (0, 1, 2, 3)), (1, (3,))])
 def test_compiled_model_and_blocks_train_bitwise_like_eager(tmp_path, world_size, stages):
     """`model.compile()` and `block.compile()` for every Block, stages 0-3 at 2 ranks (and stage 3 alone at 1): the
-    losses of 2 steps and the full state_dict after them equal eager's bit for bit. Stage 3's whole model used to
-    die inside dynamo ("parameter 'wte.weight' ... is sharded ... is_conj() is not supported on it"), stage 2's
-    whole model and blocks from the second step on ("param.grad of 'wte.weight' is a ShardedGrad ... _is_view()")."""
+    losses of 3 steps and the full state_dict after them equal eager's bit for bit, and the third step compiles
+    nothing new. Stage 3's whole model used to die inside dynamo ("parameter 'wte.weight' ... is sharded ...
+    is_conj() is not supported on it"), stage 2's whole model and blocks from the second step on ("param.grad of
+    'wte.weight' is a ShardedGrad ... _is_view() is not supported on it")."""
     results = run_ranks(_compiled_vs_eager, world_size, stages, store_dir=str(tmp_path), timeout_s=600)
     for rank, result in enumerate(results):
-        for (stage, how), (losses_equal, diff) in result.items():
+        for (stage, how), (losses_equal, diff, recompiled) in result.items():
             assert losses_equal and diff == 0.0, (rank, stage, how, losses_equal, diff)
+            assert recompiled == 0, (rank, stage, how, recompiled)  # stage 3's hooks traced: one per call
