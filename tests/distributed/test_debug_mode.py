@@ -246,3 +246,25 @@ def test_torch_detail_checks_the_gathers_all_gather_many_issues(tmp_path, monkey
         run_ranks(_gather_many_beside_an_all_reduce, 2, store_dir=str(tmp_path), timeout_s=60,
                   collective_timeout_s=20)
     assert time.monotonic() - start < 20
+
+
+# -- (e) the same op and label with different sizes is a divergence too -----------------------------
+def _same_label_different_sizes(rank, world_size):
+    """Rank 0 all-reduces 4 elements, rank 1 6, under one label; returns the error text (None if none)."""
+    comm = Comm(debug=True)
+    try:
+        comm.all_reduce(torch.ones(4 + 2 * rank), phase="backward", label="bucket 0 (fc.*)")
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_debug_mode_tells_apart_sizes_under_one_label(tmp_path):
+    """The fingerprint holds the element count: one collective, same op and label, 4 elements on rank 0 and 6 on
+    rank 1, fails the check on both ranks, naming both sizes, and is never issued (gloo would have aborted)."""
+    for rank, message in enumerate(run_ranks(_same_label_different_sizes, 2, store_dir=str(tmp_path), timeout_s=60,
+                                             collective_timeout_s=20)):
+        assert message is not None and "diverges between ranks" in message, message
+        assert f"(raised on rank {rank})" in message, message
+        assert "rank 0 is all-reducing bucket 0 (fc.*) [#0: 4 x float32, backward]" in message, message
+        assert "rank 1 is all-reducing bucket 0 (fc.*) [#0: 6 x float32, backward]" in message, message

@@ -183,6 +183,28 @@ altogether (fewer steps, or it died) cannot answer: the waiting rank's check fai
 the peer's connection closes (or at the group's timeout) and raises naming its own
 collective and its last records. Cost: one small all-gather per collective (see
 benchmarks/results/debug_overhead.md); training is bitwise unchanged.
+
+[Note: rank-dependent units]
+At stages 0-2 a module that runs on some ranks only changes no collective (every bucket is
+reduced whatever ran, as DDP's find_unused_parameters=True). At stage 3 it does: the rank that
+runs a unit gathers it, the others do not, and from there each rank's k-th collective pairs with
+another kind of collective on the other ranks. gloo then aborts the process (a size mismatch,
+no Python error), hangs, or, worst, when the sizes happen to match, pairs one unit's gather
+with another's and computes on the wrong parameters. So stage 3 checks, in two ways that cost
+nothing per unit:
+* the first step is checked: every collective up to the first optimizer step gets debug
+  mode's check (`first_step_checks`), so a unit that one rank runs and another does not fails
+  there, on every rank, naming the unit each rank was gathering, before the collective is
+  issued (as DDP's static_graph learns the graph from the first iteration);
+* every later step is agreed on (`agree_on_step`, before the optimizer updates anything): one
+  fixed-size all-gather of each rank's collective count and a digest of every collective
+  since the last agreement (op, label, size, dtype). Ranks whose units diverged in that step
+  and whose collectives paired up anyway (equal sizes) fail there, on every rank, naming the
+  first collective that differs among the recent ones; their step is never applied.
+A unit that starts running on one rank only after the first step, with collectives of unequal
+sizes, still reaches gloo (an abort or a timeout): only per-collective checks prevent that, which
+`debug=True` keeps for every step. After either error the ranks' collectives are out of step: the
+engine must be rebuilt.
 """
 from __future__ import annotations
 
@@ -191,6 +213,7 @@ import contextlib
 import hashlib
 import os
 import sys
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -382,6 +405,15 @@ class Comm:
         if debug is None:
             debug = os.environ.get("ZEROKIT_DEBUG", "").strip() not in ("", "0")
         self.debug = bool(debug)  # see [Note: debug mode]
+        # Stage 3 sets it until its first step: every collective checked ([Note: rank-dependent units]).
+        self.first_step_checks = False
+        self._digest = 0  # of every collective since the last `agree_on_step`, in order
+        self._agreed_seq = 0  # the recorder's seq at the last agreement
+
+    @property
+    def checks_each_collective(self) -> bool:
+        """Whether each collective is preceded by the check of [Note: debug mode]."""
+        return (self.debug or self.first_step_checks) and self.distributed
 
     def _lend(self, t: torch.Tensor) -> torch.Tensor:
         """What a collective is handed for the caller's tensor `t`: on gloo a new tensor over the same bytes,
@@ -679,7 +711,8 @@ class Comm:
             else:
                 self._issue_second_halves()  # before any other collective, on every rank
         rec = self.recorder.record(op, tensor, label, phase)
-        if self.debug and self.distributed:
+        self._digest = zlib.crc32(repr(rec.fingerprint()).encode(), self._digest)  # [Note: rank-dependent units]
+        if self.checks_each_collective:
             self._check_same(rec.fingerprint(), _doing(rec))
         return rec
 
@@ -687,17 +720,36 @@ class Comm:
         """Debug mode: every rank must reach `what` (e.g. "optimizer step 3") at the same point of its
         collective sequence. A check with no collective after it, so that a rank with no collective left
         meets a rank waiting for one ([Note: debug mode]); nothing at all outside debug mode."""
-        if self.debug and self.distributed:
+        if self.checks_each_collective:
             seq = self.recorder.seq
             self._check_same((seq, "sync_point", what), f"starting {what}, with no collective left before it [#{seq}]")
 
-    def _check_same(self, fingerprint: tuple, doing: str) -> None:
-        """[Note: debug mode]: raise on every rank unless every rank's `fingerprint` equals this one's."""
+    def agree_on_step(self, what: str) -> None:
+        """Stage 3, before its optimizer updates anything: raise on every rank unless every rank issued the same
+        collectives since the last call ([Note: rank-dependent units]). The first call ends the first step's
+        per-collective checks (a sync point then); later ones are one fixed-size all-gather."""
+        if not self.distributed:
+            return
+        if self.checks_each_collective:
+            self.sync_point(what)
+        else:
+            seq, since = self.recorder.seq, self._agreed_seq
+            recent = [(rec.seq, _doing(rec)) for rec in self.recorder.records if rec.seq >= since]
+            self._check_same((seq, "agreement", self._digest), recent,
+                             explain=lambda everyone: _explain_step_divergence(what, since, everyone, self.rank))
+        self.first_step_checks = False
+        self._digest, self._agreed_seq = 0, self.recorder.seq
+
+    def _check_same(self, fingerprint: tuple, doing, explain=None) -> None:
+        """[Note: debug mode]: raise on every rank unless every rank's `fingerprint` equals this one's.
+        `doing`: what this rank is doing, exchanged only when they differ; `explain(every rank's doing)`: the
+        error's text (default: debug mode's, each rank's collective side by side)."""
         digest = int.from_bytes(hashlib.blake2b(repr(fingerprint).encode(), digest_size=8).digest(), "little",
                                 signed=True)  # repr, not hash(): str hashes differ between processes
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         mine = torch.tensor([fingerprint[0], digest], dtype=torch.int64, device=device)  # (2,)
         everyone = torch.empty(2 * self.world_size, dtype=torch.int64, device=device)  # (2 * N,)
+        mine_in_words = doing if isinstance(doing, str) else "agreeing on the collectives of its step"
         try:
             dist.all_gather_single(everyone, mine, group=self.group)
             rows = everyone.view(self.world_size, 2).tolist()
@@ -708,9 +760,11 @@ class Comm:
             dist.all_gather_object(doings, doing, group=self.group)
         except RuntimeError as exc:  # gloo: the peer closed the connection, or the group's timeout
             raise _reported(RuntimeError(
-                f"zerokit debug (rank {self.rank}): rank {self.rank} is {doing}, but the other ranks did not "
+                f"zerokit debug (rank {self.rank}): rank {self.rank} is {mine_in_words}, but the other ranks did not "
                 f"answer the check before it ({_first_line(exc)}): a rank has finished (fewer steps?), died, "
                 f"or is blocked outside zerokit.\n{self.recorder.report(self.rank)}")) from exc
+        if explain is not None:
+            raise _reported(RuntimeError(explain(doings)))
         ranks_of: dict[str, list[int]] = {}
         for r, d in enumerate(doings):
             ranks_of.setdefault(d, []).append(r)
@@ -719,10 +773,12 @@ class Comm:
         agreed = [rec for rec in self.recorder.records if rec.seq < fingerprint[0]]
         last = f"#{agreed[-1].seq} {_doing(agreed[-1])}" if agreed else "none"
         raise _reported(RuntimeError(
-            f"zerokit debug: collective #{fingerprint[0]} diverges between ranks (raised on rank {self.rank}):\n"
+            f"zerokit {'debug' if self.debug else 'stage 3, first step'}: collective #{fingerprint[0]} diverges "
+            f"between ranks (raised on rank {self.rank}):\n"
             f"{sides}\nthe last collective every rank agreed on: {last}.\nEvery rank must issue the same "
             "collectives in the same order: the same model and units, the same number of backwards and steps, "
-            "engine.no_sync() on every rank or on none."))
+            "engine.no_sync() on every rank or on none."
+            + (f"\n{_RANK_DEPENDENT_UNITS}" if "gathering unit " in sides else "")))
 
     @contextlib.contextmanager
     def report_failure(self):
@@ -832,7 +888,7 @@ class Comm:
         with self.report_failure():
             for half in halves:
                 half.reduced.wait()  # `mine` holds the sum, the receive buffer is freed
-            if self.debug:  # collectives no public call has checked ([Note: debug mode])
+            if self.checks_each_collective:  # collectives no public call has checked ([Note: debug mode])
                 for half in halves:
                     self._check_same(half.rec.fingerprint() + ("all-gather half",),
                                      f"finishing (all-gather half) {_doing(half.rec)}")
@@ -858,6 +914,32 @@ def _doing(rec: CollectiveRecord) -> str:
     """A record in words, as an error names it:
     "reduce-scattering bucket 3 (blocks.2.*) [#41: 1536 x float32, backward]"."""
     return f"{_VERBS.get(rec.op, rec.op)} {rec.label} [#{rec.seq}: {rec.numel} x {rec.dtype}, {rec.phase}]"
+
+
+_RANK_DEPENDENT_UNITS = (
+    "At stage 3 every rank must call the same units in the same order: a unit that runs on some ranks only "
+    "(rank-dependent control flow such as `if rank == 1: h = self.extra(h)`) is gathered by those ranks alone. "
+    "Call it on every rank (multiply its output by 0 where it should not count), or use stage 0, 1 or 2, which "
+    "reduce every gradient whatever ran (as DDP's find_unused_parameters=True). The ranks' collectives are out "
+    "of step now: rebuild the engine (zk.shard) to go on.")
+
+
+def _explain_step_divergence(what: str, since: int, everyone: list, rank: int) -> str:
+    """`Comm.agree_on_step`'s error: each rank's collective count and the first recent collective that differs."""
+    counts = ", ".join(f"rank {r}: {rows[-1][0] + 1 if rows else since}" for r, rows in enumerate(everyone))
+    by_seq = [dict(rows) for rows in everyone]
+    first = next((seq for seq in sorted(set().union(*by_seq))
+                  if len({d.get(seq, "issuing nothing") for d in by_seq}) > 1), None)
+    if first is None:
+        where = "the first difference is older than the collectives each rank keeps"
+    else:
+        where = f"the first that differs, #{first}:\n" + "\n".join(
+            f"  rank {r} was {d.get(first, 'issuing nothing (or one older than its record)')}"
+            for r, d in enumerate(by_seq))
+    return (f"zerokit: the ranks issued different collectives since collective #{since} (raised on rank {rank}, "
+            f"at {what}, before it updated anything; collectives issued by then: {counts});\n{where}\n"
+            f"Their collectives paired with each other's, so this step's gradients are wrong: it was not applied. "
+            f"{_RANK_DEPENDENT_UNITS} zk.shard(..., debug=True) checks every collective as it is issued.")
 
 
 def _reported(exc: BaseException) -> BaseException:

@@ -52,6 +52,18 @@ saved tensors are first unpacked, which is after `pre_backward` gathered the uni
 fires the unit's forward hooks again; inside backward they only make sure the unit is whole:
 they neither record order, nor watch inputs, nor reshard. The unit stays whole until its
 backward is done.
+
+[Note: torch.compile]
+Compiling each wrapped block (`block.compile()`) or the whole model (`model.compile()`, after
+`zk.shard`) traces modules whose forward hooks gather and free units: they swap parameter
+classes, resize storages and issue collectives, nothing a graph can hold. So every stage-3
+forward hook is wrapped by `eager` (`torch._dynamo.disable`), as torch FSDP2's hooks are skipped
+by dynamo: the trace breaks at each hook, the hook runs as plain Python, and tracing resumes on
+a gathered unit, whose parameters are plain ones again. Before its root hook has run, dynamo
+reads the sharded parameters' metadata (`is_conj()`, `is_neg()`, ...), which
+`_SHARDED_PARAM_METHODS` lets through. Gradient hooks run in autograd's engine, outside any
+trace. Compiled or not, the same ops run on the same values: tests/distributed/test_compile.py
+checks bitwise equality with eager at every stage, whole model and per block.
 """
 from __future__ import annotations
 
@@ -66,7 +78,7 @@ from zerokit.core.config import WrapPolicy, wrap_matcher
 from zerokit.core.flat_param import FlatParamLayout, ParamInfo, summarize_names
 from zerokit.core.model_guard import move_hint
 from zerokit.core.nest import map_tensors, tensors_in
-from zerokit.core.user_grads import _flat_args
+from zerokit.core.user_grads import KIND_QUERIES, _flat_args
 
 
 class UnitState(enum.Enum):
@@ -263,7 +275,7 @@ class _InputsGradDone(torch.autograd.Function):
 _SHARDED_PARAM_METHODS = {"size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
                           "stride", "is_contiguous", "storage_offset", "get_device", "data_ptr", "untyped_storage",
                           "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__hash__",
-                          "__len__", "__format__", "__dir__", "is_shared", "is_pinned", "_is_view"}
+                          "__len__", "__format__", "__dir__", "is_shared", "is_pinned"} | KIND_QUERIES
 # Properties that are the values, or views of them; every other property (shape, grad, ...) is metadata.
 _SHARDED_PARAM_VALUE_PROPERTIES = {"data", "T", "mT", "H", "mH", "real", "imag"}
 
@@ -362,6 +374,11 @@ def split_into_units(module: nn.Module, wrap: WrapPolicy,
                     f"both. Wrap a module that contains both, or untie them")
         members[owners[0]].append(info)
     return [(name, m, params) for (name, m), params in zip([("", module)] + found, members)]
+
+
+def eager(hook: Callable) -> Callable:
+    """`hook` run as plain Python under torch.compile: [Note: torch.compile]."""
+    return torch._dynamo.disable(hook, recursive=True)
 
 
 def _alloc_storage(t: torch.Tensor) -> None:

@@ -50,8 +50,13 @@ import torch
 
 __all__ = ["ShardedGrad", "PartialNorm"]
 
+# Flags about a tensor's kind, no values: what torch.compile's dynamo asks of every tensor it meets, the
+# sharded parameters and their `.grad`s included (core/unit.py [Note: torch.compile]).
+KIND_QUERIES = {"is_conj", "is_neg", "_is_view", "is_inference", "_is_zerotensor", "is_sparse", "is_quantized",
+                "is_nested", "is_mkldnn", "is_meta"}
 _METADATA_METHODS = {"size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
-                     "requires_grad_", "detach_", "__repr__", "__format__", "__hash__", "get_device", "type"}
+                     "requires_grad_", "detach_", "__repr__", "__format__", "__hash__", "get_device", "type",
+                     "stride", "storage_offset", "is_contiguous", "untyped_storage", "data_ptr"} | KIND_QUERIES
 _REFUSED_PROPERTIES = {"data"}
 
 

@@ -57,7 +57,7 @@ Per-rank memory (Ψ parameters, up to padding < N elements per flat buffer):
   whole while a checkpointed region is recomputed (core/unit.py [Note: activation
   checkpointing]); both can add to the bound.
 
-Assumption, as for torch FSDP: every rank runs the same graph (same units in the same order).
+Every rank must run the same units in the same order: checked, core/comm.py [Note: rank-dependent units].
 
 [Note: grad shards]
 A grad shard is needed from its flat param's first reduce-scatter to the optimizer step, and
@@ -117,7 +117,7 @@ from zerokit.core.grad_reduce import GradReduction
 from zerokit.core.hooks import GradReadyTracker
 from zerokit.core.nest import tensors_in
 from zerokit.core.prefetch import RecordedOrder, reverse_first_calls
-from zerokit.core.unit import Unit, UnitState, split_into_units
+from zerokit.core.unit import Unit, UnitState, eager, split_into_units
 from zerokit.optim.sharded import ShardedOptimizer
 
 
@@ -188,9 +188,10 @@ class Zero3Engine(Checkpointing, Engine):
         self.forward_order = RecordedOrder([unit.index for unit in self.units[1:]])  # first guess: registration
         self.backward_order = RecordedOrder(reverse_first_calls(self.forward_order.recorded))
         self._in_forward = False
-        self._handles = [self.module.register_forward_pre_hook(self._root_pre_forward),
-                         self.module.register_forward_hook(self._root_post_forward)]
-        for unit in self.units[1:]:
+        self.comm.first_step_checks = True  # until the first step: core/comm.py [Note: rank-dependent units]
+        self._handles = [self.module.register_forward_pre_hook(eager(self._root_pre_forward)),
+                         self.module.register_forward_hook(eager(self._root_post_forward))]
+        for unit in self.units[1:]:  # eager: run as they are under torch.compile, core/unit.py [Note: torch.compile]
             self._handles += [unit.module.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True),
                               unit.module.register_forward_hook(self._make_post_forward(unit))]
 
@@ -223,7 +224,7 @@ class Zero3Engine(Checkpointing, Engine):
             watched = unit.pre_forward(args, kwargs)
             self._prefetch(self.forward_order, "forward")
             return watched
-        return pre_forward
+        return eager(pre_forward)
 
     def _make_post_forward(self, unit: Unit):
         def post_forward(module, args, output) -> None:
@@ -231,7 +232,7 @@ class Zero3Engine(Checkpointing, Engine):
                 return
             reshard = self.reshard_after_forward and not self.forward_order.called_again(unit.index)
             unit.post_forward(output, lambda: self._pre_backward(unit), reshard)
-        return post_forward
+        return eager(post_forward)
 
     def _prefetch(self, order: RecordedOrder, phase: str) -> None:
         """Start gathering the next `prefetch` units the recorded order predicts (those still sharded)."""
@@ -391,6 +392,7 @@ class Zero3Engine(Checkpointing, Engine):
         """Update this rank's shards. No all-gather: the next forward gathers. False if fp16 skipped it."""
         self.finish_backward()
         self.check_user_grads_before_step()
+        self.comm.agree_on_step(f"optimizer step {self.optimizer.steps_called + 1}")  # [Note: rank-dependent units]
         # A flat param no backward reached since zero_grad steps on zeros, as at stage 0.
         return self.optimizer.step([self.grad_shard(fp) for fp in self.trainable], self.take_clip_coef())
 

@@ -1,0 +1,70 @@
+"""What stage 3's per-step agreement costs (core/comm.py [Note: rank-dependent units]).
+
+    python benchmarks/agree_on_step_cost.py            # 2 gloo ranks, tiny GPT, 200 pairs of steps
+    python benchmarks/agree_on_step_cost.py --pairs 500
+
+Before each optimizer step after the first, stage 3 all-gathers every rank's collective count and a
+digest of the step's collectives (`Comm.agree_on_step`, one (2N,) int64 all-gather). Steps with and
+without it alternate (ABBA order, so drift hits both arms alike) on one engine; the agreement's own
+time is timed too. Its time includes the wait for the slower rank, which without it is paid at the
+next forward's first gather instead, so the step's difference is the cost, not the agreement's time.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import zerokit as zk
+from zerokit.launch import run_ranks
+from zerokit.models import Block, CharCorpus, build_model
+
+
+def _paired(rank, world_size, pairs):
+    torch.manual_seed(0)
+    model = build_model("tiny")
+    engine = zk.shard(model, torch.optim.AdamW, stage=3, wrap=(Block,), lr=1e-3)
+    agree = engine.comm.agree_on_step
+    x, y = CharCorpus.load().batch(2, model.cfg.block_size, 0, rank, world_size)
+    agreeing: list[float] = []
+
+    def timed(what):
+        start = time.perf_counter()
+        agree(what)
+        agreeing.append(time.perf_counter() - start)
+
+    def step():
+        _, loss = engine(x, y)
+        loss.backward()
+        engine.step()
+        engine.zero_grad()
+
+    for _ in range(10):  # warm-up; the first step is the checked one
+        step()
+    with_it, without = [], []
+    for i in range(2 * pairs):
+        on = (i % 2 == 0) == ((i // 2) % 2 == 0)  # ABBA
+        engine.comm.agree_on_step = timed if on else (lambda what: None)
+        start = time.perf_counter()
+        step()
+        (with_it if on else without).append(time.perf_counter() - start)
+    engine.comm.agree_on_step = agree
+    ms = lambda values, f: f(values) * 1e3  # noqa: E731
+    return {"step with (median ms)": ms(with_it, statistics.median), "step without": ms(without, statistics.median),
+            "step with (mean ms)": ms(with_it, statistics.mean), "step without (mean)": ms(without, statistics.mean),
+            "agreement itself (median ms)": ms(agreeing, statistics.median)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=200)
+    parser.add_argument("--nproc", type=int, default=2)
+    args = parser.parse_args()
+    for rank, result in enumerate(run_ranks(_paired, args.nproc, args.pairs, timeout_s=1800)):
+        print(f"rank {rank}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()))
+
+
+if __name__ == "__main__":
+    main()
