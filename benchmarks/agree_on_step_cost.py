@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import zerokit as zk
 from zerokit.launch import run_ranks
 from zerokit.models import Block, CharCorpus, build_model
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
 
 
 def _paired(rank, world_size, pairs):
@@ -57,13 +63,23 @@ def _paired(rank, world_size, pairs):
             "agreement itself (median ms)": ms(agreeing, statistics.median)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=200)
     parser.add_argument("--nproc", type=int, default=2)
-    args = parser.parse_args()
-    for rank, result in enumerate(run_ranks(_paired, args.nproc, args.pairs, timeout_s=1800)):
-        print(f"rank {rank}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()))
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "agree_on_step_cost",
+                        help="results path without extension (.json and .md are written)")
+    args = parser.parse_args(argv)
+    record = provenance(command_line(__file__, argv))
+    ranks = run_ranks(_paired, args.nproc, args.pairs, timeout_s=1800)
+    lines = [f"| {rank} | " + " | ".join(f"{v:.3f}" for v in result.values()) + " |" for rank, result in enumerate(ranks)]
+    table = ["| rank | " + " | ".join(ranks[0]) + " |", "|---" * (len(ranks[0]) + 1) + "|", *lines]
+    print("\n".join(table))
+    result = {**record, "nproc": args.nproc, "pairs": args.pairs, "ranks": ranks}
+    write_pair(args.out, result, "\n".join([
+        "# What stage 3's per-step agreement costs", "", *provenance_lines(result),
+        f"- {args.nproc} gloo ranks, stage 3, tiny GPT, AdamW; {args.pairs} pairs of steps with and without "
+        "`Comm.agree_on_step`, ABBA order on one engine; times per rank in ms", "", *table]) + "\n")
 
 
 if __name__ == "__main__":
