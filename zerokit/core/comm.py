@@ -734,7 +734,8 @@ class Comm:
             self.sync_point(what)
         else:
             seq, since = self.recorder.seq, self._agreed_seq
-            recent = [(rec.seq, _doing(rec)) for rec in self.recorder.records if rec.seq >= since]
+            def recent():  # in words only when the ranks differ: formatting every record would cost each step
+                return [(rec.seq, _doing(rec)) for rec in self.recorder.records if rec.seq >= since]
             self._check_same((seq, "agreement", self._digest), recent,
                              explain=lambda everyone: _explain_step_divergence(what, since, everyone, self.rank))
         self.first_step_checks = False
@@ -742,8 +743,9 @@ class Comm:
 
     def _check_same(self, fingerprint: tuple, doing, explain=None) -> None:
         """[Note: debug mode]: raise on every rank unless every rank's `fingerprint` equals this one's.
-        `doing`: what this rank is doing, exchanged only when they differ; `explain(every rank's doing)`: the
-        error's text (default: debug mode's, each rank's collective side by side)."""
+        `doing`: what this rank is doing (or a function giving it), exchanged only when they differ;
+        `explain(every rank's doing)`: the error's text (default: debug mode's, each rank's collective side
+        by side)."""
         digest = int.from_bytes(hashlib.blake2b(repr(fingerprint).encode(), digest_size=8).digest(), "little",
                                 signed=True)  # repr, not hash(): str hashes differ between processes
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
@@ -757,7 +759,7 @@ class Comm:
                 return
             # Every rank gathered the same rows, so every rank is here: this exchange pairs up too.
             doings = [None] * self.world_size
-            dist.all_gather_object(doings, doing, group=self.group)
+            dist.all_gather_object(doings, doing() if callable(doing) else doing, group=self.group)
         except RuntimeError as exc:  # gloo: the peer closed the connection, or the group's timeout
             raise _reported(RuntimeError(
                 f"zerokit debug (rank {self.rank}): rank {self.rank} is {mine_in_words}, but the other ranks did not "
