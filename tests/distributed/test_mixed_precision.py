@@ -7,10 +7,9 @@ the optimizer is handed (unscaled, clipped) is checked directly against the fp32
 """
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
 import zerokit as zk
-from common import OddBlock, OddModel, fixed_corpus, odd_batch, odd_model
+from common import CheckpointedOddModel, OddBlock, OddModel, fixed_corpus, odd_batch, odd_model
 from zerokit.launch import run_ranks
 from zerokit.models import Block, build_model
 
@@ -211,13 +210,6 @@ def test_mixed_precision_memory_is_the_lectures_16_bytes(mixed):
 
 # ------------------------------------------------ fp16 with a plain loss.backward() (core/hooks.py [Note: which
 # backward was scaled]): refused at clip and step on every rank; never a false alarm.
-class _CheckpointedOddModel(OddModel):
-    def forward(self, idx, targets):
-        h = self.emb(idx)
-        for block in self.blocks:
-            h = checkpoint(block, h, use_reentrant=False)
-        logits = self.head(self.norm(h) * self.gain)
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def _fp16_engine(stage, model_cls=OddModel):
@@ -228,7 +220,7 @@ def _fp16_engine(stage, model_cls=OddModel):
 
 def _fp16_loop(rank, world_size, stage, variant):
     """3 steps of engine.backward + clip + step, with `variant`'s extra that must change nothing."""
-    engine = _fp16_engine(stage, _CheckpointedOddModel if variant == "checkpoint" else OddModel)
+    engine = _fp16_engine(stage, CheckpointedOddModel if variant == "checkpoint" else OddModel)
     for step in range(3):
         x, y = odd_batch(step, BATCH, rank, world_size)
         if variant == "plain backward, then zero_grad":  # the unscaled gradients are discarded

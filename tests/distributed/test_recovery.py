@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
 import zerokit as zk
-from common import OddBlock, OddModel, _build_ddp, odd_batch, odd_model, params_of
+from common import CheckpointedOddModel, OddBlock, OddModel, _build_ddp, odd_batch, odd_model, params_of
 from zerokit.launch import run_ranks
 
 STEPS, FAIL_STEP, BATCH = 6, 2, 3
@@ -28,15 +27,6 @@ OPT_KW = dict(lr=1e-2, weight_decay=0.1)
 STAGES = (0, 1, 2, 3)
 
 
-class CheckpointedOddModel(OddModel):
-    """OddModel whose blocks run under non-reentrant activation checkpointing."""
-
-    def forward(self, idx, targets):
-        h = self.emb(idx)
-        for block in self.blocks:
-            h = checkpoint(block, h, use_reentrant=False)
-        logits = self.head(self.norm(h) * self.gain)
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def _arm(model, where: str, raising: dict) -> None:

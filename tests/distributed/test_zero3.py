@@ -11,10 +11,9 @@ import dataclasses
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
 import zerokit as zk
-from common import OddBlock, OddModel, odd_batch, train_torch_ddp, train_zerokit
+from common import CheckpointedOddModel, OddBlock, OddModel, odd_batch, train_torch_ddp, train_zerokit
 from zerokit.commands.step import train_step
 from zerokit.launch import run_ranks
 from zerokit.models import Block, build_model, preset
@@ -38,15 +37,6 @@ GRID = [(k, r, c) for k in (0, 1, 2) for r in (True, False) for c in (False, Tru
 GRID_COVER = [(0, True, False), (1, False, True), (2, True, True), (2, False, False)]
 
 
-class CheckpointedOddModel(OddModel):
-    """OddModel whose blocks run under non-reentrant activation checkpointing."""
-
-    def forward(self, idx, targets):
-        h = self.emb(idx)
-        for block in self.blocks:
-            h = checkpoint(block, h, use_reentrant=False)
-        logits = self.head(self.norm(h) * self.gain)
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 class TwiceOddModel(OddModel):
