@@ -180,25 +180,6 @@ def test_buffers_sync_on_the_forwards_ddp_syncs(parity):
         assert set(r["syncs"]["zerokit_calls"]) == {0, 2}, r["syncs"]["zerokit_calls"]
 
 
-def test_report_max_differences(parity, capsys):
-    """Not a check: prints the figures for the report (pytest -s)."""
-    with capsys.disabled():
-        for stage in STAGES:
-            for precision in ("fp32", "bf16"):
-                got = [r[(stage, precision, True)][0] for r in parity]
-                vs_ddp = max(_max_diff(g, r["ddp"]) for g, r in zip(got, parity))
-                between = _max_diff(got[0], got[1])
-                bufs = _buffer_keys(got[0])
-                vs_ddp_buf = max(max((g[k] - r["ddp"][k]).abs().max().item() for k in bufs)
-                                 for g, r in zip(got, parity))
-                print(f"stage {stage} {precision}: max |zk - DDP| all {vs_ddp:.3g} buffers {vs_ddp_buf:.3g}; "
-                      f"between ranks {between:.3g}")
-            local = [r[(stage, "fp32", False)][0] for r in parity]
-            print(f"stage {stage} broadcast_buffers=False: vs DDP(False) "
-                  f"{max(_max_diff(g, r['ddp_local']) for g, r in zip(local, parity)):.3g}, between ranks "
-                  f"{_max_diff(local[0], local[1]):.3g}")
-
-
 # ------------------------------------------------------------------ refusals
 class WithBuffer(nn.Module):
     def __init__(self, numel=4, dtype=torch.float32, extra=False):
@@ -433,3 +414,29 @@ def test_a_parameter_frozen_or_unfrozen_after_zk_shard_is_refused_at_the_next_us
             assert msg != "accepted", (stage, name)
             assert ("'head.weight'" if name == "unfreeze" else "'lin.weight'") in msg, (stage, name, msg)
             assert "before zk.shard" in msg and "requires_grad" in msg, (stage, name, msg)
+
+
+def report_max_differences(parity: list[dict]) -> None:
+    """The BatchNorm figures: every buffer and weight against DDP after the steps, and between the ranks.
+
+        PYTHONPATH=tests:tests/distributed python tests/distributed/test_model_contract.py
+    """
+    for stage in STAGES:
+        for precision in ("fp32", "bf16"):
+            got = [r[(stage, precision, True)][0] for r in parity]
+            vs_ddp = max(_max_diff(g, r["ddp"]) for g, r in zip(got, parity))
+            between = _max_diff(got[0], got[1])
+            bufs = _buffer_keys(got[0])
+            vs_ddp_buf = max(max((g[k] - r["ddp"][k]).abs().max().item() for k in bufs)
+                             for g, r in zip(got, parity))
+            print(f"stage {stage} {precision}: max |zk - DDP| all {vs_ddp:.3g} buffers {vs_ddp_buf:.3g}; "
+                  f"between ranks {between:.3g}")
+        local = [r[(stage, "fp32", False)][0] for r in parity]
+        print(f"stage {stage} broadcast_buffers=False: vs DDP(False) "
+              f"{max(_max_diff(g, r['ddp_local']) for g, r in zip(local, parity)):.3g}, between ranks "
+              f"{_max_diff(local[0], local[1]):.3g}")
+
+
+if __name__ == "__main__":  # the ranks import the cases by this module's own name (PYTHONPATH above)
+    import test_model_contract as cases
+    report_max_differences(run_ranks(cases._parity_cases, 2, timeout_s=240))
