@@ -13,7 +13,7 @@ The grouping uses this thread's allocation events only: a block freed on another
 worker letting go of a collective's buffer) has no free event here and still appears, so the
 groups can sum to more than the counter (that difference is itself what
 zerokit/core/comm.py [Note: frees at a fixed point] is about). Used for the fixes listed in the
-README's "Benchmarks" section (stage 3's grad shards and unit gathers, the step-boundary frees).
+docs/benchmarks.md (stage 3's grad shards and unit gathers, the step-boundary frees).
 
     python benchmarks/where_peak.py                                   # zerokit stage 3 and FSDP2, 2 ranks
     python benchmarks/where_peak.py --runs "zerokit stage 1" --repeat 4   # the boundary, run after run

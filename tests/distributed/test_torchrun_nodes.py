@@ -1,6 +1,6 @@
 """Two "nodes" on this machine: two torchrun agents meeting through c10d rendezvous, 2 ranks each.
 
-This is the README's multi-node command with the endpoint on localhost: each agent is started
+This is the multi-node command of docs/hybrid.md with the endpoint on localhost: each agent is started
 as on its own machine (`--nnodes 2 --rdzv-backend c10d`, no `--node-rank`: the rendezvous assigns
 it), the small GPT trains at stage 3 with `--shard-group-size 2` (a node's 2 ranks shard, the two
 nodes replicate), and the weights it ends with equal, bit for bit, those of stage 0 on 4 ranks
