@@ -34,9 +34,8 @@ in one collective instead of two (the reduce-scatter stays an all-to-all on gloo
 reduce-scatter is an all-reduce of the whole buffer inside: more bytes, measured slower). The
 N = 2 reduce-scatter (`_exchange_halves`) sends and receives only the peer's half, into a
 (B/2,) buffer, and adds it to this rank's own half: the same one addition, half the receive
-buffer and none of the N-row recipe's copies of the own half (benchmarks/reduce_scatter_cost.py:
-the same time as the N-row recipe at the small GPT's bucket sizes, where latency is the cost,
-0.7x at 1M elements). At 3+
+buffer and none of the N-row recipe's copies of the own half (benchmarks/reduce_scatter_cost.py
+times both; results/reduce_scatter_cost.md). At 3+
 ranks the two halves of an ordered all-reduce (stage 0's buckets, issued one by one in backward)
 run apart. A bucket's all-to-all is issued when the bucket is ready. Its rows are summed into
 this rank's own range of the bucket as soon as they have arrived, which frees the (B,) receive
@@ -46,12 +45,10 @@ waiting bucket are issued together, in one round (on gloo one packed gather: [No
 temporary]), at the first wait() on any of them
 (the end of backward), or before any other kind of collective is recorded: points every rank
 reaches at the same place in its sequence of collectives, so the sequences still match.
-Measured against the two ways tried before (4 gloo ranks, small GPT, 2 cores,
-benchmarks/speed_vs_torch.py, two runs each): each bucket's all-gather issued right after its
-all-to-all completes, before the next bucket's: step 1.13-1.27x torch DDP (two rendezvous of every
-rank per bucket); one all-gather of every rank's whole bucket and a local sum of the N rows (one
-collective, the same additions): 0.94-1.01x DDP, but an (N·B,) receive buffer per bucket in
-flight, peak 22.26 MB against DDP's 21.42; deferred and coalesced: 0.88-0.99x DDP, peak 21.23 MB.
+Two other ways were tried and are slower or larger: each bucket's all-gather right after its
+all-to-all (two rendezvous of every rank per bucket), and one all-gather of every rank's whole
+bucket with a local sum of the N rows (an (N·B,) receive buffer per bucket in flight);
+benchmarks/speed_vs_torch.py compares the step with torch DDP's.
 With `tree=True` (`zk.shard(reduction="tree")`)
 the local sum adds the N contributions pairwise, (r0 + r1) + (r2 + r3), the upper levels
 of the binary tree that makes the bits independent of N (core/tree.py [Note:
@@ -69,14 +66,13 @@ all-gather's input clone) are referenced by the process group's Work as well as 
 The Work is released by gloo's worker thread shortly after the CPU's wait() returns, so
 dropping zerokit's reference leaves the last one, and the free, to that thread at a time that
 varies from run to run: the allocator's live bytes at a step boundary then sometimes include a
-buffer the step no longer uses (seen: stage 1's gather clones, 0.93 MB, at one boundary in one of
-seven runs of benchmarks/speed_vs_torch.py). Once the collective has completed, zerokit frees the
+buffer the step no longer uses (seen in benchmarks/speed_vs_torch.py runs: stage 1's gather
+clones at one boundary). Once the collective has completed, zerokit frees the
 temporary's storage itself, on its own thread (`free_storage`), at the same point of every step.
 The caller's own buffers are held the same way: stages 2 and 3 reduce-scatter a bucket's or
 unit's full-size gradient and drop it when the owners have its content, yet gloo's worker still
-held the collective's input, so its bytes were freed on that thread, late in some runs (seen: a
-clean-clone CI run counted stage 3's root gradient, 16,512 bytes, alive at the step boundary of
-benchmarks/where_peak.py). A caller's buffer cannot be freed by zerokit (user code may hold a
+held the collective's input, so its bytes were freed on that thread, late in some runs (seen: stage
+3's root gradient alive at a step boundary of benchmarks/where_peak.py in one CI run). A caller's buffer cannot be freed by zerokit (user code may hold a
 view of `.grad`, and reading freed storage crashes), so on gloo a collective is handed an alias of
 each caller tensor (`Comm._lend`: a new tensor over the same storage) and, once it has completed,
 the alias is pointed at an empty storage (`set_()`): the Work then holds no bytes of the caller's,
@@ -94,34 +90,27 @@ rows out (torch's wrapper also allocates and frees one of that size on the calli
 gather is issued). An asynchronous gather therefore costs a second copy of its output for as long
 as it is in flight. Stage 3's prefetch of the next unit in backward is in flight across the first
 ops of the current unit's backward, which is where a step peaks: benchmarks/where_peak.py found
-gloo's buffer there (`gloo:all_gather > aten::empty`, 0.44 MB of stage 3's 18.00 MB peak against
-FSDP2's 17.75). So on gloo an all-gather that is not coalesced fills the output's rows in place
+gloo's buffer there (`gloo:all_gather > aten::empty`), putting stage 3's peak above FSDP2's. So on gloo an all-gather that is not coalesced fills the output's rows in place
 (`Comm._fill_rows_from_ranks`): N broadcasts, rank r's from row r of the output, all issued at once,
 or at N = 2 a single all-to-all that sends this rank's row to the peer and receives the peer's into
 its row (empty splits for the rank itself, as the N = 2 reduce-scatter of [Note: ordered reduction]).
 Either way nothing is allocated, the same rows move to the same ranks, the same bits (copies, no
-arithmetic). benchmarks/gather_cost.py measures them beside torch's gather (results/gather_cost.md):
-torch's allocates twice the output while zerokit's way allocates nothing; at 2 ranks the all-to-all
-takes 0.73-0.93x torch's time and 0.62-0.88x the two broadcasts' that zerokit issued there before
-(0.57 against 0.92 ms at 15,744 elements: a rendezvous, not bytes, is the cost at these sizes), at 4
-and 8 ranks the broadcasts take 1.07-1.18x and 0.77-0.86x torch's time. Not an all-to-all at 3+ ranks: it
+arithmetic). benchmarks/gather_cost.py measures them beside torch's gather and beside two
+broadcasts at 2 ranks (results/gather_cost.md): torch's allocates twice the output while zerokit's
+way allocates nothing, and at these sizes a rendezvous, not bytes, is the cost. Not an all-to-all at 3+ ranks: it
 cannot send one row to several ranks, so its send buffer would hold N - 1 copies of the row and its
 receive buffer N - 1 rows, where the broadcasts hold nothing. Several outputs gathered together
 (stages 1-2's buckets after the step, the all-gather halves of stage 0's ordered all-reduces) need
-one round of latency, not one per output (10 of 46k floats at 2 ranks took 9-11 ms one by one, 4-7
-ms coalesced). gloo's coalesced all-gather, which zerokit used for them, paid its temporaries for
+one round of latency, not one per output. gloo's coalesced all-gather, which zerokit used for them, paid its temporaries for
 all of them at once, the concatenated inputs and one buffer of every output's size, Ψp(1 + 1/N) for
 stages 1-2's gather of the updated parameters, which made that gather their step's peak
-(benchmarks/sweep.py, 14.3M parameters: stage 1's peak minus its model states was exactly that,
-81.6 MiB at N = 2, 68.0 at N = 4). On gloo such a group is now packed (`Comm._packed_gather`):
+(benchmarks/sweep.py: stage 1's peak minus its model states was exactly that). On gloo such a group is now packed (`Comm._packed_gather`):
 this rank's inputs are copied into its row of one (N, Σ m_i) staging buffer per dtype, the other
 rows are filled from their ranks as above, then the other ranks' rows are copied out (the own row
 too where an input is not its output's own row) and the staging is freed: the copies gloo's gather
 made (inputs in, rows out) without its concatenated inputs, so Ψp instead of Ψp(1 + 1/N), and one
 rendezvous (N = 2) or N broadcasts instead of gloo's all-gather (benchmarks/gather_cost.py,
-"several outputs at once", stages 1-2's 8 buckets of the small GPT: at 2 ranks 0.88x the coalesced
-gather's time, the all-to-all 2.98 ms against the broadcasts' 3.05 in that run and 1.74-1.87 against
-2.08-2.27 in two `--nproc 2` runs after it; at 4 and 8 ranks 1.24x and 0.80x).
+"several outputs at once", times it beside the coalesced gather).
 Outputs are still grouped in consecutive runs of at most GLOO_COALESCE_NUMEL elements, which bounds
 the staging; an output that would be a group on its own is gathered into its own rows, with no
 staging at all. Under TORCH_DISTRIBUTED_DEBUG=DETAIL nothing changes on gloo: broadcasts and
@@ -140,8 +129,7 @@ sum into the same output, so the same bits, only sooner. Whether one has complet
 differs between ranks, so only a finish that is local work may run there: a hybrid reduce-scatter,
 whose finish crosses nodes with collectives of its own, and an ordered all-reduce's second half
 (its wait issues the all-gathers) report not arrived until waited for in order. What it saves
-depends on timing (benchmarks/sweep.py, 14.3M parameters, N = 4: stage 2's peak 198.7 MiB before,
-196.5 and 178.4 in two runs after; stage 3's 121.6 -> 119.9).
+depends on timing (benchmarks/sweep.py measures the peaks).
 
 [Note: in-place gathers]
 An all-gather's input may be this rank's own row of its output (`output.view(N, -1)[rank]`), as
@@ -152,9 +140,8 @@ anything is sent and copies every row out after, its broadcasts of a single outp
 rank r in place, NCCL gathers in place when the input is the rank's slice of the output
 (as FSDP2's gathers do), and the simulated path copies the row first. Any other overlap between
 input and output is refused. The all-gather half of an ordered all-reduce is one too (the summed
-range is the rank's own row of the bucket). Against a clone of every shard, then a coalesced gather (stage 1's
-8 buckets at 2 ranks, 463k elements): the clones' Ψ·p/N transient bytes gone and ~0.6 ms of
-~2.5 ms saved per gather (benchmarks/stage1_phases.py times the step with it).
+range is the rank's own row of the bucket). Against a clone of every shard, the clones' Ψ·p/N
+transient bytes are gone (benchmarks/stage1_phases.py times the step with it).
 
 [Note: debug mode]
 A collective that one rank issues and another does not (a `no_sync()` on one rank only,
@@ -309,7 +296,7 @@ def _take_back(lent) -> None:
 
 def profiled(name: str):
     """torch.profiler's record_function(name) while a profiler records, else nothing: entering one costs a
-    dispatcher call even when no profiler is on (16 us here, a few per bucket and step)."""
+    dispatcher call even when no profiler is on, a few per bucket and step."""
     return _record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
@@ -554,8 +541,7 @@ class Comm:
         waited for as one. Asynchronous; each is recorded and counted as its own all-gather, all of them
         (and their debug-mode checks) before any is issued.
 
-        `coalesce`: in one round of latency instead of one per buffer (gloo, 10 buffers of 46k floats at
-        2 ranks: 9-11 ms separately, 4-7 ms coalesced). Its price on gloo: a staging buffer of the
+        `coalesce`: in one round of latency instead of one per buffer. Its price on gloo: a staging buffer of the
         group's outputs' size while it runs (packed: [Note: gloo's all-gather temporary]), so a caller
         whose gathers come at its peak (stage 3's units in backward) passes False: then on gloo each
         output is gathered into its own rows (broadcasts, or at N = 2 one all-to-all), with no temporary. On NCCL under
@@ -641,9 +627,8 @@ class Comm:
     def _fill_rows_from_ranks(self, rows: list[torch.Tensor]) -> list:
         """Row r of `rows` (N equal rows, this rank's filled) filled from rank r on every rank, in place, nothing
         allocated ([Note: gloo's all-gather temporary]): N broadcasts, row r from rank r; at N = 2 one all-to-all
-        instead, this rank's row to the peer and the peer's into its row, a single rendezvous (gloo, 2 ranks:
-        0.57-0.84 ms where the two broadcasts took 0.92-1.08 at 16k-112k elements, benchmarks/gather_cost.py).
-        Returns the works, issued."""
+        instead, this rank's row to the peer and the peer's into its row, a single rendezvous
+        (benchmarks/gather_cost.py times both ways). Returns the works, issued."""
         if self.world_size == 2:
             peer = 1 - self.rank
             splits = [rows[peer].numel() if r == peer else 0 for r in range(2)]  # nothing to or from itself

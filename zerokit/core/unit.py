@@ -29,7 +29,7 @@ its own class (`sharded_class`: `isinstance(p, nn.Parameter)` still holds) whose
 RuntimeError naming the ways to the whole parameter: `engine.summon_full_params()`,
 `engine.state_dict(full=True)`, `engine.save()`. Gathering switches the class back before the
 unit computes, so forward and backward run on plain parameters and pay nothing; a switch is
-one attribute store (about 0.1 us). The shape stays the logical one, as FSDP2's sharded
+one attribute store. The shape stays the logical one, as FSDP2's sharded
 DTensor parameters keep theirs (FSDP1 shows a 1-D view of the local shard instead): counting
 `p.numel()` over `model.parameters()` still gives the model's size, and `.grad` (a
 `ShardedGrad` of the parameter's shape, core/user_grads.py) stays assignable.

@@ -64,8 +64,8 @@ A grad shard is needed from its flat param's first reduce-scatter to the optimiz
 not between zero_grad and backward. zero_grad therefore frees every grad shard (as torch FSDP's
 zero_grad(set_to_none=True) frees the sharded `.grad`s) and the first reduce-scatter of the next
 backward allocates it: in a step that starts with zero_grad, backward's peak holds the grad
-shards of the units reduced so far rather than all of them (-4Ψ/N bytes at its start in fp32:
-0.93 MB on the small GPT at 2 ranks, measured by benchmarks/speed_vs_torch.py). Between
+shards of the units reduced so far rather than all of them (-4Ψ/N bytes at its start in fp32;
+benchmarks/speed_vs_torch.py measures the peak). Between
 zero_grad and that reduce-scatter, the params' `.grad` is None, as in torch. A flat param that
 no backward reached since zero_grad steps on zeros, as at stage 0 (`grad_shard` allocates
 them), so the stages stay bitwise equal. The model-state formula (16Ψ/N) is what a rank holds
@@ -93,8 +93,7 @@ yet (FSDP2 does not allocate it either). Instead `.grad` is None when autograd r
 param (`_on_first_grad`), autograd makes each parameter's gradient, and when the last one is there
 (`_on_bucket_ready`) they are added into a zeroed (padded_numel,) buffer, `.grad` becomes a view
 of it, and autograd's tensors go. Adding onto zeros is what autograd's accumulation into a zeroed
-view did, so the bits are those of stages 0-2. Peak in a step, small GPT at 2 ranks
-(benchmarks/speed_vs_torch.py): 18.30 -> 18.00 MB. When a full gradient already exists (kept by
+view did, so the bits are those of stages 0-2, at a lower peak (benchmarks/speed_vs_torch.py). When a full gradient already exists (kept by
 no_sync) or user code assigned a `.grad`, autograd accumulates into the full gradient's views, as
 at stages 0-2.
 """
