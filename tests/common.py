@@ -163,14 +163,18 @@ def _build_ddp(model, **ddp_kwargs):
     return DDP(model, process_group=group, **ddp_kwargs)
 
 
-def train_torch_ddp(rank: int, world_size: int, optimizer_cls, opt_kwargs: dict, steps: int, batch_size: int,
-                    seed: int = 0, clip: float | None = None):
-    """torch's own DistributedDataParallel: the reference every stage is measured against."""
+def train_torch_ddp(rank: int, world_size: int, optimizer_cls, opt_kwargs: dict, steps, batch_size: int,
+                    seed: int = 0, clip: float | None = None, param_groups=None):
+    """torch's own DistributedDataParallel: the reference every stage is measured against.
+
+    `steps`: a count, or the step indices whose batches to train on (a step left out is skipped from
+    the same state); `param_groups(model)`: the torch optimizer's groups (default: every trainable param)."""
     model = odd_model(seed)
     ddp = _build_ddp(model) if world_size > 1 else model
-    opt = optimizer_cls([p for p in model.parameters() if p.requires_grad], **opt_kwargs)
+    groups = param_groups(model) if param_groups else [p for p in model.parameters() if p.requires_grad]
+    opt = optimizer_cls(groups, **opt_kwargs)
     losses = []
-    for step in range(steps):
+    for step in (range(steps) if isinstance(steps, int) else steps):
         x, y = odd_batch(step, batch_size, rank, world_size)
         opt.zero_grad(set_to_none=True)
         loss = ddp(x, y)

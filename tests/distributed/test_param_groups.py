@@ -11,7 +11,7 @@ for SGD, each group with its own momentum).
 import pytest
 import torch
 
-from common import _build_ddp, odd_batch, odd_model, params_of, train_zerokit
+from common import train_torch_ddp, train_zerokit
 from zerokit.launch import run_ranks
 
 STEPS, BATCH = 4, 3
@@ -53,25 +53,11 @@ def _torch_param_groups(model, param_groups):
     return [{"params": ps, **dict(key)} for key, ps in groups.items()]
 
 
-def _torch_ddp(rank, world_size, cls, kw, param_groups):
-    model = odd_model()
-    ddp = _build_ddp(model)
-    opt = cls(_torch_param_groups(model, param_groups), **kw)
-    losses = []
-    for step in range(STEPS):
-        x, y = odd_batch(step, BATCH, rank, world_size)
-        opt.zero_grad(set_to_none=True)
-        loss = ddp(x, y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach().clone())
-    return torch.stack(losses), params_of(model)
-
-
 def _cases(rank, world_size):
     out = {}
     for name, (cls, kw, param_groups) in CASES.items():
-        ref_losses, ref_params = _torch_ddp(rank, world_size, cls, kw, param_groups)
+        ref_losses, ref_params = train_torch_ddp(rank, world_size, cls, kw, STEPS, BATCH,
+                                               param_groups=lambda m: _torch_param_groups(m, param_groups))
         # The default bucket size: one flat buffer per group, the no-decay one first (see _no_decay).
         losses, params, engine = train_zerokit(rank, world_size, 0, cls, kw, STEPS, BATCH, param_groups=param_groups)
         groups = [{k: g[k] for k in ("lr", "weight_decay", "momentum") if k in g}

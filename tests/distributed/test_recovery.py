@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import zerokit as zk
-from common import CheckpointedOddModel, OddBlock, OddModel, _build_ddp, odd_batch, odd_model, params_of
+from common import (CheckpointedOddModel, OddBlock, OddModel, _build_ddp, odd_batch, odd_model, params_of,
+                    train_torch_ddp)
 from zerokit.launch import run_ranks
 
 STEPS, FAIL_STEP, BATCH = 6, 2, 3
@@ -70,22 +71,6 @@ def _recovering_loop(rank, world_size, stage, where, plain_backward=False, fail_
     return torch.stack(losses), {k: v.float() for k, v in engine.state_dict(full=True).items()}, errors
 
 
-def _ddp_skipping(rank, world_size, steps):
-    """torch DDP trained on the batches of `steps` only: the step that raised is skipped from the same state."""
-    model = odd_model()
-    ddp = _build_ddp(model) if world_size > 1 else model
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **OPT_KW)
-    losses = []
-    for step in steps:
-        x, y = odd_batch(step, BATCH, rank, world_size)
-        opt.zero_grad(set_to_none=True)
-        loss = ddp(x, y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach().clone())
-    return torch.stack(losses), params_of(model)
-
-
 def _differences(got, ref) -> list[str]:
     out = [] if torch.equal(got[0], ref[0]) else [f"losses {got[0].tolist()} != {ref[0].tolist()}"]
     for k in ref[1]:
@@ -95,7 +80,9 @@ def _differences(got, ref) -> list[str]:
 
 
 def _recovery_cases(rank, world_size):
-    ref = _ddp_skipping(rank, world_size, [s for s in range(STEPS) if s != FAIL_STEP])
+    # torch DDP on the batches of every step but the one that raised: that step skipped from the same state
+    ref = train_torch_ddp(rank, world_size, torch.optim.AdamW, OPT_KW, [s for s in range(STEPS) if s != FAIL_STEP],
+                          BATCH)
     out = {}
     runs = [(stage, where, plain, {}) for stage in STAGES for where in ("backward", "forward")
             for plain in ((False, True) if where == "backward" else (False,))]
