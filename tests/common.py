@@ -273,3 +273,17 @@ def assert_callers_buffers_freed(results: list[dict]) -> None:
         assert len(cases) == 16
         assert all(right for right, _ in cases.values()), (rank, cases)
         assert all(refs == 1 for _, refs in cases.values()), (rank, cases)
+
+
+def assert_session_gone(pid: int, what: str) -> None:
+    """Every process of the session led by `pid` (ranks, multiprocessing's resource tracker) exits within 5 s."""
+    import subprocess
+    import time
+
+    import pytest
+    for _ in range(50):
+        if subprocess.run(["pgrep", "-s", str(pid)], capture_output=True).returncode != 0:
+            return
+        time.sleep(0.1)
+    left = subprocess.run(["pgrep", "-a", "-s", str(pid)], capture_output=True, text=True).stdout
+    pytest.fail(f"processes left behind{what}: {left}")

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from common import assert_session_gone
 from zerokit.cli import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -152,13 +153,7 @@ def _interrupt(argv: list[str], to_group: bool) -> tuple[int, str, float]:
     rc = proc.wait(timeout=60)
     seconds = time.monotonic() - sent
     reader.join(timeout=5)
-    for _ in range(50):  # every process of the session is gone (ranks, multiprocessing's resource tracker)
-        if subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).returncode != 0:
-            break
-        time.sleep(0.1)
-    else:
-        left = subprocess.run(["pgrep", "-a", "-s", str(proc.pid)], capture_output=True, text=True).stdout
-        pytest.fail(f"processes left behind after Ctrl-C: {left}")
+    assert_session_gone(proc.pid, " after Ctrl-C")
     return rc, b"".join(chunks).decode(errors="replace"), seconds
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zerokit as zk
-from common import OddBlock, odd_batch, odd_model
+from common import OddBlock, assert_session_gone, odd_batch, odd_model
 from zerokit.launch import RankFailed, run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -151,10 +151,4 @@ def test_zerokit_train_names_a_rank_killed_from_outside():
     assert rc == 1, out
     report = out[out.index("rank 1 of 2 died by signal SIGKILL without a report"):]  # ValueError if absent
     assert "rank 0 of 2 failed at" not in out[:len(out) - len(report)], out  # rank 0's knock-on error comes after
-    for _ in range(50):  # every process of the session is gone (ranks, multiprocessing's resource tracker)
-        if subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).returncode != 0:
-            break
-        time.sleep(0.1)
-    else:
-        left = subprocess.run(["pgrep", "-a", "-s", str(proc.pid)], capture_output=True, text=True).stdout
-        pytest.fail(f"processes left behind: {left}")
+    assert_session_gone(proc.pid, "")

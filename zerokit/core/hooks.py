@@ -160,6 +160,8 @@ class GradReadyTracker:
 
     def _warn_unused(self) -> None:
         """Name, once per engine, trainable parameters this backward gave no gradient ([Note: unused parameters])."""
+        if not any(self._pending):  # the usual case: every parameter got its gradient
+            return
         unused = [fp.names[j][0] for k, fp in enumerate(self.flat_params) for j in range(len(fp.params))
                   if not self._seen[k][j] and fp.names[j][0] not in self._warned]
         if not unused:
