@@ -263,7 +263,8 @@ def _gone(pid: int) -> bool:
 @pytest.mark.parametrize("start", ["forkserver", "spawn"])
 def test_ranks_die_with_a_caller_killed_outright(tmp_path, start):
     """[Note: orphaned ranks]: SIGKILL the process that called run_ranks while its ranks run; they do not outlive it."""
-    script = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+    here = os.path.dirname(os.path.abspath(__file__))  # test_exits, and tests/ for the common module it imports
+    script = (f"import sys; sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]\n"
               "from test_exits import _write_pid_and_wait\n"
               "from zerokit.launch import run_ranks\n"
               f"run_ranks(_write_pid_and_wait, 2, {str(tmp_path)!r}, timeout_s=600)\n")
