@@ -139,7 +139,7 @@ def test_stage2_labels_reductions_by_bucket_and_param_names(labelled):
 
 def test_stage3_labels_gathers_by_unit(labelled):
     """Stage 3: every all-gather is labelled by its unit ("unit <root>", "unit blocks.0", "unit blocks.1") in the
-    forward and (but the root's) in the backward; reduce-scatters by bucket, "bucket k (blocks.1.*)"."""
+    forward and (but the root's) in the backward; reduce-scatters by flat param, "flat param k (blocks.1.*)"."""
     for result in labelled:
         records = result[(3, False)]["records"]
         forward = [label for op, label, phase in records if op == "all_gather" and phase == "forward"]
@@ -147,8 +147,9 @@ def test_stage3_labels_gathers_by_unit(labelled):
         assert forward == ["unit <root>", "unit blocks.0", "unit blocks.1"], forward
         assert sorted(backward) == ["unit blocks.0", "unit blocks.1"], backward
         scatters = [label for op, label, _ in records if op == "reduce_scatter"]
-        assert [re.sub(r"bucket \d+ ", "bucket k ", s) for s in scatters] == [
-            "bucket k (blocks.1.*)", "bucket k (blocks.0.*)", "bucket k (wte.weight, wpe.weight, ln_f.*)"], scatters
+        assert [re.sub(r"flat param \d+ ", "flat param k ", s) for s in scatters] == [
+            "flat param k (blocks.1.*)", "flat param k (blocks.0.*)",
+            "flat param k (wte.weight, wpe.weight, ln_f.*)"], scatters
 
 
 @pytest.mark.parametrize("stage", [2, 3])

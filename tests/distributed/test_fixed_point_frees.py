@@ -263,7 +263,7 @@ def _all_reduce_sequences(rank, world_size):
         engine.step()
     finally:
         restore()
-    buckets = len(engine.groups)  # one all-reduce per group of buckets (stages/ddp.py [Note: all-reduce groups])
+    buckets = len(engine.groups)  # one all-reduce per group of buckets (core/grad_reduce.py [Note: all-reduce groups])
     out["stage0"] = dict(buckets=buckets, tags=[tag for tag, _, _ in calls], in_backward=in_backward,
                          received=[_nbytes(t) for tag, t, _ in calls if tag == "a2a"])
     # another kind of collective issues the waiting halves first; waits in any order; debug mode checks them

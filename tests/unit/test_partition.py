@@ -99,7 +99,7 @@ def test_all_reduce_groups_close_once_they_reach_the_cap(numels, cap, keys):
 
 
 def test_stage0_all_reduces_the_small_gpts_buckets_in_groups():
-    """The case that motivated the groups (stages/ddp.py [Note: all-reduce groups]): the small GPT at 65,536 elements
+    """The case that motivated the groups (core/grad_reduce.py [Note: all-reduce groups]): the small GPT at 65,536 elements
     with the no-decay split has 10 buckets, which stage 0 all-reduces as 5 groups; each bucket's gradient is a view
     into its group's buffer, back to back in bucket order (tests/distributed/test_stage0.py counts the collectives)."""
     import torch
@@ -112,7 +112,7 @@ def test_stage0_all_reduces_the_small_gpts_buckets_in_groups():
     assert len(engine.trainable) == 10 and [len(g.members) for g in engine.groups] == [2, 2, 2, 2, 2]
     assert all(sum(fp.padded_numel for fp in g.members) >= 65536 for g in engine.groups[:-1])
     for g in engine.groups:
-        ptr, size = g.grad.untyped_storage().data_ptr(), g.grad.element_size()
+        ptr, size = g.flat_grad.untyped_storage().data_ptr(), g.flat_grad.element_size()
         assert [engine.flat_grads[fp.index].data_ptr() for fp in g.members] == [
             ptr + g.offsets[fp.index] * size for fp in g.members]
         assert list(g.offsets.values()) == [sum(fp.padded_numel for fp in g.members[:j]) for j in range(len(g.members))]
@@ -147,8 +147,8 @@ def test_a_bucket_spanning_the_model_does_not_hold_back_the_others():
     first_block = [p for n, p in model.named_parameters() if n.startswith("blocks.0.")]
     for p in first_block:  # blocks.0's gradients arrive last but for the embeddings'
         p.register_post_accumulate_grad_hook(lambda p: events.append("blocks.0 grad"))
-    release = engine.tracker.on_bucket_ready
-    engine.tracker.on_bucket_ready = lambda fp: (events.append(f"release {fp.index}"), release(fp))
+    release = engine.tracker.on_grads_ready
+    engine.tracker.on_grads_ready = lambda fp: (events.append(f"release {fp.index}"), release(fp))
     x, y = fixed_corpus().batch(2, model.cfg.block_size, 0)
     engine.backward(engine(x, y)[1])
     released_before_block0 = [e for e in events[:events.index("blocks.0 grad")] if e.startswith("release")]

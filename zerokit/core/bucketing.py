@@ -53,7 +53,7 @@ def plan_all_reduce_groups(numels: list[int] | tuple[int, ...], keys: list | tup
     """Group consecutive buckets into collectives: a group closes once it holds `threshold` elements.
 
     That is torch DDP's rule for closing a bucket (`bucket_cap_mb`), applied to whole zerokit
-    buckets rather than to parameters: stage 0 all-reduces each group in one call (ddp.py
+    buckets rather than to parameters: stage 0 all-reduces each group in one call (core/grad_reduce.py
     [Note: all-reduce groups]). Buckets with different `keys` (their dtype) never share a group.
     Groups are contiguous runs of indices in order; every one but the last of its key run holds
     at least `threshold` elements, and dropping its last bucket would leave it below that (so no

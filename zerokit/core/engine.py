@@ -2,17 +2,25 @@
 
 Shared here: calling the wrapped model (with mixed precision's input cast), scaling the
 loss for fp16, the `no_sync` switch, `summon_full_params` (stage 3 overrides it; params are
-whole below), global gradient-norm clipping over shards, taking over what user code did to
-`param.grad` before a step, refusing an fp16 step on gradients no loss scale multiplied,
-recovery after a forward or backward that raised, and the ledgers (`comm_stats`, `memory`).
+whole below), global gradient-norm clipping over shards, what user code did to `param.grad`
+(core/user_grads.py `UserGrads`), refusing an fp16 step on gradients no loss scale
+multiplied, recovery after a forward or backward that raised, and the ledgers
+(`comm_stats`, `memory`).
+
+The gradient path has one call site for every stage: the tracker (core/hooks.py) calls
+`_on_first_grad` (core/user_grads.py) and `_on_grads_ready`, which either hands the flat
+param's state to the stage's `reduce_grads` or, inside `no_sync`, keeps the gradient local
+(under reduction="tree" in its pairwise partial sums). Per flat param the stage keeps a
+`FlatParamState` (core/flat_param.py) in `states`, indexed by `FlatParamLayout.index`.
 
 Each stage file subclasses `Engine` directly (no stage inherits from another) and
 implements the methods of "the stage interface" below, in this order in every file:
-construction (partition), the gradient hook, the end of backward, `step`, `zero_grad`,
-`state_dict`, what it holds (`memory_tensors`, `comm_buffer_tensors`, `norm_shards`), and
-`load_flat_params`, the one stage-specific step of loading a checkpoint. Saving and loading
-themselves are generic (zerokit/checkpoint.py, mixed into each stage's engine), driven by
-`flat_params` and the optimizer's master shards; core depends on no feature module.
+construction (partition), the gradient hook (`reduce_grads`), the end of backward, `step`,
+`zero_grad`, then whatever of `state_dict`, what it holds (`memory_tensors`,
+`norm_shards`) and `load_flat_params` differs from the defaults here (written for stages
+0-2, whose parameters are whole). Saving and loading themselves are generic
+(zerokit/checkpoint.py, mixed into each stage's engine), driven by `flat_params` and the
+optimizer's master shards; core depends on no feature module.
 
 [Note: recovery after an exception]
 An exception inside a forward or backward (a user hook, an op, out of memory) leaves a pass
@@ -42,19 +50,25 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from zerokit.core.bucketing import InFlight
 from zerokit.core.config import ShardConfig
+from zerokit.core.flat_param import FlatParamState
 from zerokit.core.grad_reduce import GradReduction
 from zerokit.core.model_guard import ModelGuard
 from zerokit.core.precision import LossScaler, PrecisionPolicy, cast_floating_tensors
 from zerokit.core.tree import PartialSums, exact_square_sum, norm_from_square_sum
+from zerokit.core.unit import wrap_forward_method
+from zerokit.core.user_grads import UserGrads
 
 
 _NORM_CHUNK_NUMEL = 1 << 20  # elements converted to fp64 at a time when summing squares
 
 
-class Engine:
+class Engine(UserGrads):
     stage: int = -1
     units: list = []  # stage 3's units (core/unit.py), freed by discard_unfinished_pass; none below it
+    keeps_flat_grads = True  # stages 0-1 keep each full gradient for good; stages 2-3 free it once reduced
+    reduce_in_no_sync = False  # stage 2's accumulate="reduce_scatter": no_sync micro-steps reduce too
 
     def __init__(self, module: nn.Module, comm, policy: PrecisionPolicy, scaler: LossScaler | None,
                  config: ShardConfig):
@@ -79,6 +93,9 @@ class Engine:
         # fp16 + tree: the gradient's 1/N rides in the loss scale (`backward`), not in the reduction.
         self._divide_in_loss = config.reduction == "tree" and scaler is not None
         self._backward_error: BaseException | None = None  # the last engine.backward's exception, until zero_grad
+        self.states: list[FlatParamState] = []  # per flat param, by index: its gradient storage
+        self.reductions: dict[int, GradReduction] = {}  # index -> its reduction, until done with
+        self.in_flight = InFlight()  # reductions launched, oldest first
 
     # -- running the model ------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -144,10 +161,13 @@ class Engine:
         Stages 0-2 need nothing: every parameter is whole. Stage 3 gathers the root unit when the
         module is called; a method that runs the model without calling the module itself (a
         PEFT `PeftModel.generate` calls the inner model) needs registering there, as torch's
-        FSDP2 `register_fsdp_forward_method`. Accepted at every stage, so code runs unchanged.
+        FSDP2 `register_fsdp_forward_method` (core/unit.py [Note: forward methods]). Accepted at
+        every stage, so code runs unchanged.
         """
         if not callable(getattr(self.module, name, None)):
             raise AttributeError(f"{type(self.module).__name__} has no method {name!r} to register")
+        if self.units:
+            wrap_forward_method(self, name)
 
     @contextlib.contextmanager
     def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
@@ -167,8 +187,16 @@ class Engine:
         try:
             yield
         finally:
-            for old, new, master in zip(before, shards, masters):
-                master.copy_(torch.where(new != old, new.to(master.dtype), master))
+            self.write_back(before, shards, masters)
+
+    def write_back(self, olds: list[torch.Tensor], news: list[torch.Tensor], masters: list) -> None:
+        """summon_full_params's write-back into the fp32 masters: where news[i] differs from olds[i] (the
+        param-dtype values before the block), masters[i] (or None) takes the new value; the elements
+        the block left alone keep their full precision."""
+        if self.policy.needs_master:
+            for old, new, master in zip(olds, news, masters):
+                if master is not None:
+                    master.copy_(torch.where(new != old, new.to(master.dtype), master))
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -305,45 +333,6 @@ class Engine:
         for partials in self.partials.values():
             partials.clear()
 
-    # -- param.grad as user code left it (core/user_grads.py [Note: param.grad belongs to the user]) --
-    def check_user_grads_before_step(self) -> None:
-        """Called by every stage's `step`: take over what user code did to `param.grad` since backward.
-
-        A gradient zeroed or scaled in place already reached the storage the optimizer reads.
-        A `.grad` set to None after backward cannot be honoured (a torch optimizer would skip
-        that parameter; zerokit updates whole flat buffers), so it is refused, as is an
-        assigned tensor except at stage 0 (`adopt_assigned_grads`). Under reduction="tree",
-        micro-batches still held as partial sums (no synced backward) are refused too, and the
-        step's tree is done with: the next backward starts a new one even when the loop clears
-        gradients with model.zero_grad() rather than engine.zero_grad(). A model cast or
-        moved since zk.shard is refused first (core/model_guard.py).
-        """
-        self.check_last_backward()
-        self.guard.before_step(self)  # dtype/device moves of the model: core/model_guard.py
-        self.check_partials_sent()
-        self.clear_partials()
-        for fp in self.flat_params:
-            if not fp.requires_grad:
-                continue
-            cleared, replaced = fp.user_grad_changes()
-            dropped = [j for j in cleared if fp.params[j].grad is None]
-            if dropped:
-                raise RuntimeError(
-                    f"zerokit stage {self.stage} (rank {self.rank}): param.grad of {fp.names[dropped[0]][0]!r} was set "
-                    "to None between backward and engine.step() (model.zero_grad() or optimizer.zero_grad() in the "
-                    "wrong place?). zerokit updates whole flat buffers and cannot skip one parameter as a torch "
-                    "optimizer would: clear gradients before the forward or after step()")
-            if replaced:
-                self.adopt_assigned_grads(fp, replaced)
-
-    def adopt_assigned_grads(self, fp, replaced: list[int]) -> None:
-        """User code assigned new tensors to params[j].grad (j in `replaced`) after backward (stages 1-3: refused)."""
-        raise RuntimeError(
-            f"zerokit stage {self.stage} (rank {self.rank}): a tensor was assigned to param.grad of "
-            f"{fp.names[replaced[0]][0]!r}; at this stage only this rank's shard of the averaged gradient exists, "
-            "so an assigned full gradient cannot be used. Change gradients in place (p.grad.mul_(), clamp_(), "
-            "zero_()) or use stage=0")
-
     # -- a pass that raised ([Note: recovery after an exception]) ------------------------------------
     def discard_unfinished_pass(self, forward_cut_short: bool = False) -> None:
         """Every stage's `zero_grad` starts here: forget a forward or backward that raised.
@@ -370,12 +359,68 @@ class Engine:
         for unit in self.units:
             unit.abandon_pass()
 
+    def begin_zero_grad(self, forward_cut_short: bool = False) -> None:
+        """Every stage's `zero_grad` starts here: a pass that raised is discarded, the clip coefficient and
+        the tree's partial sums are forgotten."""
+        self.discard_unfinished_pass(forward_cut_short)  # [Note: recovery after an exception]
+        self.clip_coef = None
+        self.clear_partials()
+
+    # -- the gradient path: one call site for every stage (core/hooks.py calls these) -----------
+    def _on_grads_ready(self, fp) -> None:
+        """A flat param's gradients are all accumulated (stages 0-2: released in index order)."""
+        self.reduce_or_hold(self.states[fp.index])
+
+    def reduce_or_hold(self, state) -> None:
+        """Synced: the stage's reduction starts now (`reduce_grads`). Inside no_sync the gradient keeps
+        accumulating in the full flat gradient (stage 2's accumulate="reduce_scatter" reduces anyway),
+        or, under reduction="tree", this micro-batch moves into its pairwise partial sums (core/tree.py)."""
+        if self.sync_gradients or self.reduce_in_no_sync:
+            self.reduce_grads(state)
+            return
+        partials = self.partials_of(state)
+        if partials is not None:
+            partials.add(state.flat_grad, reuse=self.keeps_flat_grads)
+            self.release_flat_grad(state)
+
+    def release_flat_grad(self, state) -> None:
+        """Done with the full gradient: zeroed where the stage keeps it (stages 0-1); else dropped, and
+        `.grad` shows this rank's part of the average (None while there is no grad shard)."""
+        if self.keeps_flat_grads:
+            state.flat_grad.zero_()
+            return
+        state.fp.show_grads(state.shown_grads or [None] * len(state.fp.params))
+        state.flat_grad = None
+
+    def new_grad_shard(self, state, grad_shard: torch.Tensor | None = None) -> torch.Tensor:
+        """Give a flat param its (shard_numel,) grad shard (zeros in the reduce dtype, or `grad_shard`) and
+        the ShardedGrads `.grad` shows over it after a synced backward (core/user_grads.py)."""
+        if grad_shard is None:
+            grad_shard = state.fp.new_flat(self.policy.reduce_dtype, numel=state.fp.shard_numel)
+        state.grad_shard, state.grad_shard_written = grad_shard, False
+        state.shown_grads = state.fp.sharded_grads(grad_shard, self.comm, lambda: self.loss_scale)
+        return grad_shard
+
+    @property
+    def flat_grads(self) -> list[torch.Tensor | None]:
+        """Each flat param's (padded_numel,) full gradient, by index (None where none exists now)."""
+        return [state.flat_grad for state in self.states]
+
     # -- the stage interface: implemented by each stage file, in this order ------------------
-    # 1. construction (the partition) and 2. the gradient hook are each stage's own.
+    # 1. construction (the partition) and 2. the gradient hook (`reduce_grads`) are each stage's own.
+
+    def reduce_grads(self, state) -> None:
+        """2. Start averaging a flat param's (or stage 0's all-reduce group's) gradient over ranks."""
+        raise NotImplementedError
+
+    def _on_backward_end(self) -> None:
+        """3. Autograd finished a backward (core/hooks.py): wait for every reduction."""
+        self.in_flight.wait_all()
 
     def finish_backward(self) -> None:
         """3. Complete a backward: every gradient reduction waited for (idempotent; step calls it)."""
-        raise NotImplementedError
+        self.tracker.finish_if_pending()
+        self.in_flight.wait_all()
 
     def step(self) -> bool:
         """4. One optimizer step on this rank's shards, then whatever makes params whole again.
@@ -388,22 +433,62 @@ class Engine:
         """5. Clear every gradient (and a clip coefficient not yet used), ready for the next backward."""
         raise NotImplementedError
 
-    def state_dict(self, full: bool = True) -> dict[str, torch.Tensor]:
-        """6. The unwrapped model's state_dict (same keys), fp32 master values where they exist."""
+    def all_gather_params(self) -> None:
+        """4. Stages 1-2, after the step: every rank's updated param shard back into the full flat buffers."""
+        if self.world_size == 1:
+            return  # the shard is the whole buffer and was updated in place
+        # Each input is this rank's own range of its output: an in-place gather, no copy of the shard
+        # (core/comm.py [Note: in-place gathers]). Issued together: one round of latency, not one per
+        # bucket (on gloo packed into one staging buffer per group of at most GLOO_COALESCE_NUMEL elements,
+        # whose rows are filled from every rank: [Note: gloo's all-gather temporary]).
+        self.comm.all_gather_many([self.flat_data[fp.index] for fp in self.trainable],
+                                  [fp.shard_of(self.flat_data[fp.index]) for fp in self.trainable], phase="step",
+                                  labels=[f"updated params of {fp.label}" for fp in self.trainable]).wait()
+
+    def zero_grad(self) -> None:
+        """5. Clear every gradient (and a clip coefficient not yet used), ready for the next backward."""
         raise NotImplementedError
+
+    def state_dict(self, full: bool = True) -> dict[str, torch.Tensor]:
+        """6. The unwrapped model's state_dict (same keys), fp32 master values where they exist.
+
+        Params are whole at stages 0-2, so `full` changes nothing. Under mixed precision the fp32
+        masters are sharded at stages 1-2: they are all-gathered, so every rank must call this.
+        """
+        sd = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        if self.policy.needs_master:
+            for fp, master in zip(self.trainable, self.optimizer.master_shards):
+                if self.stage > 0:  # this rank's shard: gathered into a transient (padded_numel,) fp32 buffer
+                    master_shard, master = master, fp.new_flat(torch.float32)
+                    self.comm.all_gather(master, master_shard, phase="state_dict", label=f"fp32 master of {fp.label}")
+                fp.write_into_state_dict(sd, master)
+        return sd
 
     def norm_shards(self) -> list[torch.Tensor]:
         """The averaged gradient this rank sums squares over for the global norm (disjoint across ranks)."""
-        raise NotImplementedError
+        return [self.states[fp.index].grad_shard for fp in self.trainable]
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What the stage holds, by ledger category (params, grads, master_params, optimizer_states, ...)."""
-        raise NotImplementedError
+        states = [self.states[fp.index] for fp in self.trainable]
+        return {
+            "params": self.flat_data,
+            # grad shards: views into the full gradients (counted once), or tensors of their own
+            "grads": [s.flat_grad for s in states if s.flat_grad is not None]
+            + [s.grad_shard for s in states if s.grad_shard is not None],
+            "master_params": self.optimizer.master_tensors(),
+            "optimizer_states": self.optimizer.state_tensors(),
+        }
 
     def comm_buffer_tensors(self) -> list[torch.Tensor]:
-        """Storage alive only to communicate right now (none between steps)."""
-        return []
+        """Storage alive only to communicate right now (none between steps): the reductions' reduce-dtype
+        copies and outputs (the post-step gathers are in place; core/comm.py's ordered reduction
+        allocates its receive buffers inside each call and drops them when the call completes)."""
+        return [t for reduction in self.reductions.values() for t in reduction.transient]
 
     def load_flat_params(self, flats: list[torch.Tensor]) -> None:
-        """7. Write full values into the stage's storage: flats[i] is flat param i's (padded_numel,) fp32 buffer."""
-        raise NotImplementedError
+        """7. Write full values into the stage's storage: flats[i] is flat param i's (padded_numel,) fp32 buffer.
+        Stages 0-2: every rank writes each into its whole flat buffer."""
+        self.finish_backward()
+        for fp, full in zip(self.flat_params, flats):
+            self.flat_data[fp.index].copy_(full)  # cast to the param dtype; padding is zero in `full`

@@ -42,16 +42,17 @@ ParamGroupFn = Callable[[str, nn.Parameter], dict]
 class FlatParamLayout:
     """Which parameters one padded flat buffer holds and where: a layout, no storage of its own.
 
-    The storage is the stage's: `flat_data` (padded_numel,) params, `flat_grads`
-    (padded_numel,) gradients, `grad_shards` / `param_shards` (shard_numel,), each a list
-    indexed by `index`. This object makes module parameters views into them
-    (`flatten_params`, `use_as_param_storage`, `use_as_grad_storage`) and remembers what it
-    put in each `.grad` (core/user_grads.py).
+    The storage is the stage's: `flat_data` (padded_numel,) params (a list indexed by
+    `index`), and the gradients on its `FlatParamState` (below). This object makes module
+    parameters views into them (`flatten_params`, `use_as_param_storage`,
+    `use_as_grad_storage`) and remembers what it put in each `.grad` (core/user_grads.py).
+    `kind` is what it is called in words: a "bucket" at stages 0-2, a "flat param" at stage 3.
     """
 
     def __init__(self, index: int, names: list[list[str]], params: list[nn.Parameter], dtype: torch.dtype,
-                 requires_grad: bool, options: dict, world_size: int, rank: int):
+                 requires_grad: bool, options: dict, world_size: int, rank: int, kind: str = "bucket"):
         self.index = index  # position in the engine's list: the order collectives are issued
+        self.kind = kind
         self.names = names  # names[i]: every name of params[i] (more than one when tied)
         self.params = params
         self.dtype = dtype
@@ -82,9 +83,10 @@ class FlatParamLayout:
 
     @functools.cached_property
     def label(self) -> str:
-        """This flat param as a bucket, in words: "bucket 3 (blocks.2.*)". What the collective recorder
-        (core/recorder.py) and debug mode's errors name a reduction by; the index is its collective order."""
-        return f"bucket {self.index} ({summarize_names([names[0] for names in self.names])})"
+        """This flat param in words: "bucket 3 (blocks.2.*)" (stage 3: "flat param 3 (blocks.2.*)"). What the
+        collective recorder (core/recorder.py) and debug mode's errors name a reduction by; the index is its
+        collective order."""
+        return f"{self.kind} {self.index} ({summarize_names([names[0] for names in self.names])})"
 
     # storage helpers -------------------------------------------------------
     def new_flat(self, dtype: torch.dtype | None = None, numel: int | None = None) -> torch.Tensor:
@@ -189,6 +191,14 @@ class FlatParamLayout:
         """params[j]'s range of a (padded_numel,) buffer, for each j in js, as 1-D views."""
         return [flat[self.layout.offsets[j]:self.layout.offsets[j] + self.layout.numels[j]] for j in js]
 
+    def zero_grad_parts(self, flat_grad: torch.Tensor, js: list[int]) -> None:
+        """Zero params[j]'s range of a (padded_numel,) gradient for each j in js."""
+        if len(js) == len(self.params):
+            flat_grad.zero_()  # one kernel for the usual case: every gradient was cleared
+            return
+        for view in self.grad_views_of(flat_grad, js):
+            view.zero_()
+
     def zero_shard_parts(self, grad_shard: torch.Tensor, js: list[int]) -> bool:
         """Zero params[j]'s part of a (shard_numel,) grad shard for each j in js; True when that was every
         param, so the whole shard is zero (the caller's "nothing accumulated yet" state)."""
@@ -224,6 +234,35 @@ class FlatParamLayout:
     def __repr__(self) -> str:
         return (f"FlatParamLayout(index={self.index}, params={len(self.params)}, numel={self.numel}, "
                 f"padded={self.padded_numel}, dtype={self.dtype}, requires_grad={self.requires_grad})")
+
+
+@dataclass(eq=False)
+class FlatParamState:
+    """A trainable flat param's gradient storage at a stage: what the stage keeps per flat param.
+
+        flat_grad   (padded_numel,) param dtype: the full gradient autograd accumulates into
+                    (stages 0-1 for good; stages 2-3 from its first gradient until reduced)
+        grad_shard  (shard_numel,) reduce dtype: this rank's range of the average (stages 1-3;
+                    at stage 1 a view into flat_grad unless the reduce dtype differs)
+        grad_shard_written  a reduce-scatter wrote grad_shard since zero_grad: the next one adds
+        shown_grads what `.grad` shows after a synced backward (ShardedGrads over grad_shard)
+        unpacked    stage 3: autograd is making its params' own gradients ([Note: gradients
+                    packed when complete] in stages/zero3.py)
+    """
+    fp: FlatParamLayout
+    flat_grad: torch.Tensor | None = None
+    grad_shard: torch.Tensor | None = None
+    grad_shard_written: bool = False
+    shown_grads: list | None = None
+    unpacked: bool = False
+
+    @property
+    def index(self) -> int:
+        return self.fp.index
+
+    @property
+    def label(self) -> str:
+        return self.fp.label
 
 
 def summarize_names(names: list[str], limit: int = 4) -> str:
@@ -275,7 +314,7 @@ def unique_params(module: nn.Module, param_groups: ParamGroupFn | None = None) -
 
 
 def build_flat_params(infos: list[ParamInfo], world_size: int, rank: int, bucket_numel: int | None,
-                      first_index: int = 0, close_when_full: bool = False) -> list[FlatParamLayout]:
+                      first_index: int = 0, close_when_full: bool = False, kind: str = "bucket") -> list[FlatParamLayout]:
     """Group parameters by (dtype, requires_grad, overrides) and cut each group into buckets.
 
     `bucket_numel=None`: one flat param per group, never split (stage 3's units).
@@ -306,5 +345,5 @@ def build_flat_params(infos: list[ParamInfo], world_size: int, rank: int, bucket
     flats = []
     for k, (_, (dtype, requires_grad, _opts), indices) in enumerate(planned):
         flats.append(FlatParamLayout(first_index + k, [infos[i].names for i in indices], [infos[i].param for i in indices],
-                               dtype, requires_grad, infos[indices[0]].options, world_size, rank))
+                               dtype, requires_grad, infos[indices[0]].options, world_size, rank, kind))
     return flats

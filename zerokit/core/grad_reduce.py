@@ -34,15 +34,32 @@ Every stage reduces through this class and nothing else, which is what keeps the
 bitwise equal to each other under any reduce dtype: cast and scale are elementwise, and the
 rank-ordered reduction (core/comm.py [Note: ordered reduction]) makes the sum of an element
 independent of the buffer it sits in.
+
+[Note: all-reduce groups]
+zerokit's buckets are cut to hold at most `bucket_numel` elements, and separately per
+optimizer option set (the decay / no-decay split gives the biases and LayerNorms of every
+block a bucket of their own), because a bucket is also what the optimizer steps and, at
+stages 1-2, what bounds the gradient memory in flight. Torch DDP's buckets know nothing of
+the optimizer and close once they *reach* the cap, so one all-reduce per bucket would make
+more, smaller collectives than DDP, each paying a collective's latency. Stage 0 therefore
+applies DDP's rule one level up: walking the trainable buckets in release order, a group
+closes once it holds `bucket_numel` elements (core/bucketing.py `plan_all_reduce_groups`;
+dtypes never mix); the group's gradients are one buffer, all-reduced in one call when its
+last bucket is released (buckets are released strictly in order, so its others already are).
+The plan is static, the same on every rank. The buckets, and so the optimizer's flat buffers
+and the norm's summation order, are unchanged, and an all-reduce is elementwise (the ordered
+one too), so grouping changes no bit of any result.
 """
 from __future__ import annotations
 
 import torch
 
+from zerokit.core.bucketing import plan_all_reduce_groups
 from zerokit.core.comm import free_storage
+from zerokit.core.flat_param import FlatParamLayout, summarize_names
 from zerokit.core.tree import PartialSums
 
-__all__ = ["GradReduction"]
+__all__ = ["GradReduction", "AllReduceGroup", "all_reduce_groups"]
 
 
 def _send_buffer(grad: torch.Tensor, divisor: int, reduce_dtype: torch.dtype) -> torch.Tensor:
@@ -117,3 +134,36 @@ class GradReduction:
             if t is not self.result:
                 free_storage(t)  # now, on this thread: core/comm.py [Note: frees at a fixed point]
         self.transient = [t for t in self.transient if t is self.result]
+
+
+class AllReduceGroup:
+    """Consecutive trainable buckets whose gradients live back to back in one buffer, all-reduced in one call.
+
+    `flat_grad` (sum of the members' padded_numel,) is the storage; each member's flat gradient is a
+    view into it (`grad_of`). `index` and `label` are what `Engine.grad_reduction` and the collective
+    recorder need of what they reduce ("buckets 2, 3 (blocks.1.*)"; frozen buckets, which have no
+    gradient, may sit between two members' indices).
+    """
+
+    def __init__(self, index: int, members: list[FlatParamLayout]):
+        self.index, self.members = index, members
+        self.offsets: dict[int, int] = {}  # bucket index -> where its gradient starts in `flat_grad`
+        total = 0
+        for fp in members:
+            self.offsets[fp.index] = total
+            total += fp.padded_numel
+        self.flat_grad = members[0].new_flat(numel=total)  # zeros, the param dtype
+        self.label = members[0].label if len(members) == 1 else (  # "buckets 4, 5 (blocks.1.*)"
+            f"buckets {', '.join(str(fp.index) for fp in members)} "
+            f"({summarize_names([n[0] for fp in members for n in fp.names])})")
+
+    def grad_of(self, fp: FlatParamLayout, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """`fp`'s (padded_numel,) part of `buffer` (default: the group's gradient buffer)."""
+        offset = self.offsets[fp.index]
+        return (self.flat_grad if buffer is None else buffer)[offset:offset + fp.padded_numel]
+
+
+def all_reduce_groups(trainable: list[FlatParamLayout], bucket_numel: int) -> list[AllReduceGroup]:
+    """Stage 0's all-reduce groups of the trainable buckets, in order ([Note: all-reduce groups])."""
+    plan = plan_all_reduce_groups([fp.padded_numel for fp in trainable], [fp.dtype for fp in trainable], bucket_numel)
+    return [AllReduceGroup(k, [trainable[i] for i in members]) for k, members in enumerate(plan)]

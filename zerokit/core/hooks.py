@@ -1,4 +1,4 @@
-"""Gradient-ready hooks: when is a bucket's gradient complete, and when is backward over.
+"""Gradient-ready hooks: when is a flat param's gradient complete (`on_grads_ready`), and when is backward over.
 
 `GradReadyTracker` registers, on every trainable parameter,
 
@@ -66,13 +66,13 @@ from zerokit.core.flat_param import FlatParamLayout
 
 
 class GradReadyTracker:
-    def __init__(self, flat_params: list[FlatParamLayout], on_bucket_ready: Callable[[FlatParamLayout], None],
+    def __init__(self, flat_params: list[FlatParamLayout], on_grads_ready: Callable[[FlatParamLayout], None],
                  on_backward_end: Callable[[], None],
                  on_first_grad: Callable[[FlatParamLayout], None] | None = None, in_order: bool = True):
         self.flat_params = [fp for fp in flat_params if fp.requires_grad]
         assert [fp.index for fp in self.flat_params] == sorted(fp.index for fp in self.flat_params)
         self.in_order = in_order
-        self.on_bucket_ready = on_bucket_ready
+        self.on_grads_ready = on_grads_ready
         self.on_backward_end = on_backward_end
         self.on_first_grad = on_first_grad
         self.in_backward = False
@@ -143,7 +143,7 @@ class GradReadyTracker:
         if self.on_first_grad is not None and not self._started[k]:
             self._started[k] = True
             self.on_first_grad(fp)  # storage must exist (zeros) before its collective
-        self.on_bucket_ready(fp)
+        self.on_grads_ready(fp)
 
     def _end_of_completed_backward(self) -> None:
         """Autograd finished the whole graph (not a backward cut short by an exception)."""

@@ -64,11 +64,26 @@ reads the sharded parameters' metadata (`is_conj()`, `is_neg()`, ...), which
 `_SHARDED_PARAM_METHODS` lets through. Gradient hooks run in autograd's engine, outside any
 trace. Compiled or not, the same ops run on the same values: tests/distributed/test_compile.py
 checks bitwise equality with eager at every stage, whole model and per block.
+
+[Note: forward methods]
+The root unit (embeddings, final norm, head) is gathered by a forward pre-hook on the model, so
+it runs when the model is *called*. Some methods run the model's parts without calling it: a
+PEFT `PeftModel.generate` calls the inner model's `generate`, whose forwards call the inner
+model, not the PeftModel the engine wraps, and their first read of a root parameter would be
+refused ([Note: a sharded parameter refuses reads]). `engine.register_forward_method(name)`
+wraps the method as FSDP2's `register_fsdp_forward_method` does (`wrap_forward_method`): the
+root is gathered before it runs and the model freed after it (or, if its output requires grad,
+kept for backward as after a call). Units still gather and free themselves around each of their
+forwards. The method's pass is recorded apart from training's (core/prefetch.py [Note: recorded
+prefetch order]): a generate calls each unit once per new token, and were that the record, the
+next training forward would keep units gathered for calls that never come.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
-from typing import Callable
+import functools
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -78,6 +93,7 @@ from zerokit.core.config import WrapPolicy, wrap_matcher
 from zerokit.core.flat_param import FlatParamLayout, ParamInfo, summarize_names
 from zerokit.core.model_guard import move_hint
 from zerokit.core.nest import map_tensors, tensors_in
+from zerokit.core.prefetch import RecordedOrder
 from zerokit.core.user_grads import KIND_QUERIES, _flat_args
 
 
@@ -374,6 +390,67 @@ def split_into_units(module: nn.Module, wrap: WrapPolicy,
                     f"both. Wrap a module that contains both, or untie them")
         members[owners[0]].append(info)
     return [(name, m, params) for (name, m), params in zip([("", module)] + found, members)]
+
+
+# ---------------------------------------------------------------------- stage 3's helpers
+@contextlib.contextmanager
+def gathered(units: list[Unit]) -> Iterator[None]:
+    """Every unit whole inside the block (summon_full_params). A unit already gathered (between forward and
+    backward: the root, units kept by reshard_after_forward=False, a prefetched one) is used as it is and
+    stays gathered, in the same storage, so the views autograd saved from it stay valid for backward;
+    every other unit is freed after the block."""
+    was_gathered = [unit.state is not UnitState.SHARDED for unit in units]
+    for unit in units:
+        unit.unshard("summon")  # a prefetch in flight completes here; it stays gathered
+    try:
+        yield
+    finally:
+        for unit, keep in zip(units, was_gathered):
+            if not keep:
+                unit.reshard()
+
+
+def packed_grads(fp: FlatParamLayout) -> torch.Tensor:
+    """The params' own gradients added into a zeroed (padded_numel,) full gradient; `.grad` becomes its views
+    and autograd's tensors go (stages/zero3.py [Note: gradients packed when complete])."""
+    grad = fp.new_flat()  # (padded_numel,) zeros; a param no gradient reached keeps its zeros
+    for p, view in zip(fp.params, fp.grad_views_of(grad, range(len(fp.params)))):
+        if p.grad is not None:
+            view.add_(p.grad.reshape(-1))  # 0 + g: autograd's accumulation into a zeroed view
+    fp.use_as_grad_storage(grad)
+    return grad
+
+
+def wrap_forward_method(engine, name: str) -> None:
+    """`module.<name>(...)` gathers the root unit and frees the model after, as a call of the module does
+    ([Note: forward methods]); drives the stage-3 engine's root hooks (stages/zero3.py)."""
+    method = getattr(engine.module, name)
+    if getattr(method, "_zerokit_forward_method", False):
+        return
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        if engine._in_forward or engine.tracker.in_backward:  # already inside a pass: the root is whole
+            return method(*args, **kwargs)
+        saved, engine.forward_order = engine.forward_order, RecordedOrder(engine.forward_order.recorded)
+        try:
+            engine._root_pre_forward(engine.module, args)
+            output = method(*args, **kwargs)
+        except BaseException:
+            engine._in_forward = False
+            engine._reshard_all()
+            raise
+        finally:
+            engine.forward_order = saved
+        engine._in_forward = False
+        if any(t.requires_grad for t in tensors_in(output)):
+            engine.units[0].post_forward(output, engine.tracker.begin_backward, reshard=False)
+        else:
+            engine._reshard_all()
+        return output
+
+    call._zerokit_forward_method = True
+    setattr(engine.module, name, call)  # an instance attribute: it shadows the class's method
 
 
 def eager(hook: Callable) -> Callable:

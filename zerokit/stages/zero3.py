@@ -58,14 +58,61 @@ Per-rank memory (Ψ parameters, up to padding < N elements per flat buffer):
   checkpointing]); both can add to the bound.
 
 Every rank must run the same units in the same order: checked, core/comm.py [Note: rank-dependent units].
+A method that runs the model without calling it (a PEFT `generate`) is registered with
+`register_forward_method`: core/unit.py [Note: forward methods].
 
 [Note: grad shards]
 A grad shard is needed from its flat param's first reduce-scatter to the optimizer step, and
 not between zero_grad and backward. zero_grad therefore frees every grad shard (as torch FSDP's
 zero_grad(set_to_none=True) frees the sharded `.grad`s) and the first reduce-scatter of the next
 backward allocates it: in a step that starts with zero_grad, backward's peak holds the grad
-shards of the units reduced so far rather than all of them (-4Ψ/N bytes at its start in fp32;
-benchmarks/speed_vs_torch.py measures the peak). Between
+shards of the units reduced so far rather than all of them (4Ψ/N fewer bytes at its start in
+fp32). Between
+zero_grad and that reduce-scatter, the params' `.grad` is None, as in torch. A flat param that
+no backward reached since zero_grad steps on zeros, as at stage 0 (`grad_shard` allocates
+them), so the stages stay bitwise equal. The model-state formula (16Ψ/N) is what a rank holds
+after backward and step, as for every stage.
+
+[Note: gradients packed when complete]), which is reduce-scattered into
+    its grad shard at once, at most one reduce-scatter left in flight; *once the unit's backward is
+    over its parameters are freed (core/unit.py [Note: gather again in backward]);
+  * step: every rank updates its own shard. *No all-gather after it: the next forward gathers.
+
+Collectives per step, logical bytes per rank (p = param bytes/elt, g = grad bytes/elt):
+  all-gather in forward      Ψ·p        (every unit, root included)
+  all-gather in backward     Ψ·p        (every unit but the root, which stays gathered;
+                                          none for units kept with reshard_after_forward=False)
+  reduce-scatter in backward Ψ·g        (trainable parameters only)
+  total 3Ψ·g when p = g: 1.5x DDP's 2Ψ·g, minus the backward gathers kept units save.
+
+Gradient accumulation (`no_sync()`): the full-size gradients are kept and accumulate locally
+(stage 2's accumulate="local"); the last micro-step reduce-scatters the sum.
+
+Reduce dtype (core/grad_reduce.py [Note: reduce dtype]): as at stage 2, grad shards are
+(shard_numel,) reduce-dtype tensors and a complete gradient is cast into a reduce-dtype copy,
+released when its reduce-scatter completes; the gathers stay in the param dtype.
+
+Per-rank memory (Ψ parameters, up to padding < N elements per flat buffer):
+  fp32 + Adam:       params 4Ψ/N + grads 4Ψ/N + optimizer_states 8Ψ/N                    = 16Ψ/N
+  bf16/fp16 + Adam:  params 2Ψ/N + grads 2Ψ/N + master_params 4Ψ/N + optimizer_states 8Ψ/N = 16Ψ/N
+  plus the working set: the unsharded units alive at once. With reshard_after_forward=True at
+  most root + (1 + prefetch) units of parameters (param dtype), and in backward the full-size
+  gradients of the flat param being computed and of the one whose reduce-scatter is in flight.
+  A unit called twice in one forward stays gathered until its last call, and units are kept
+  whole while a checkpointed region is recomputed (core/unit.py [Note: activation
+  checkpointing]); both can add to the bound.
+
+Every rank must run the same units in the same order: checked, core/comm.py [Note: rank-dependent units].
+A method that runs the model without calling it (a PEFT `generate`) is registered with
+`register_forward_method`: core/unit.py [Note: forward methods].
+
+[Note: grad shards]
+A grad shard is needed from its flat param's first reduce-scatter to the optimizer step, and
+not between zero_grad and backward. zero_grad therefore frees every grad shard (as torch FSDP's
+zero_grad(set_to_none=True) frees the sharded `.grad`s) and the first reduce-scatter of the next
+backward allocates it: in a step that starts with zero_grad, backward's peak holds the grad
+shards of the units reduced so far rather than all of them (4Ψ/N fewer bytes at its start in
+fp32). Between
 zero_grad and that reduce-scatter, the params' `.grad` is None, as in torch. A flat param that
 no backward reached since zero_grad steps on zeros, as at stage 0 (`grad_shard` allocates
 them), so the stages stay bitwise equal. The model-state formula (16Ψ/N) is what a rank holds
@@ -90,8 +137,8 @@ first accumulation, so gradients land in communication-ready storage. Stage 3 do
 whole flat gradient would then be allocated at the unit's first gradient, early in its backward,
 while that unit's activations are all still live, though most of its gradients are not computed
 yet (FSDP2 does not allocate it either). Instead `.grad` is None when autograd reaches a flat
-param (`_on_first_grad`), autograd makes each parameter's gradient, and when the last one is there
-(`_on_bucket_ready`) they are added into a zeroed (padded_numel,) buffer, `.grad` becomes a view
+param (`_on_first_grad`, core/user_grads.py), autograd makes each parameter's gradient, and when the last one is there
+(`_on_grads_ready`) they are added into a zeroed (padded_numel,) buffer, `.grad` becomes a view
 of it, and autograd's tensors go. Adding onto zeros is what autograd's accumulation into a zeroed
 view did, so the bits are those of stages 0-2, at a lower peak (benchmarks/speed_vs_torch.py). When a full gradient already exists (kept by
 no_sync) or user code assigned a `.grad`, autograd accumulates into the full gradient's views, as
@@ -100,28 +147,27 @@ at stages 0-2.
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Iterator
 
 import torch
 from torch import nn
 
 from zerokit.checkpoint import Checkpointing
-from zerokit.core.bucketing import InFlight
 from zerokit.core.comm import free_storage
 from zerokit.core.config import ShardConfig
 from zerokit.core.engine import Engine
-from zerokit.core.flat_param import FlatParamLayout, build_flat_params
-from zerokit.core.grad_reduce import GradReduction
+from zerokit.core.flat_param import FlatParamLayout, FlatParamState, build_flat_params
 from zerokit.core.hooks import GradReadyTracker
 from zerokit.core.nest import tensors_in
 from zerokit.core.prefetch import RecordedOrder, reverse_first_calls
-from zerokit.core.unit import Unit, UnitState, eager, split_into_units
+from zerokit.core.unit import Unit, UnitState, eager, gathered, packed_grads, split_into_units
 from zerokit.optim.sharded import ShardedOptimizer
 
 
 class Zero3Engine(Checkpointing, Engine):
     stage = 3
+    keeps_flat_grads = False  # a flat param's full gradient is freed once reduce-scattered
+    packs_grads = True  # [Note: gradients packed when complete]
 
     # 1. construct ------------------------------------------------------------------
     def __init__(self, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *, comm, policy, scaler,
@@ -135,17 +181,11 @@ class Zero3Engine(Checkpointing, Engine):
         units_flat_params = []  # per unit: its flat params, one per group, never split (bucket_numel None)
         for _name, _module, members in unit_members:
             units_flat_params.append(build_flat_params(members, self.world_size, self.rank, None,
-                                                       first_index=len(self.flat_params)))
+                                                       first_index=len(self.flat_params), kind="flat param"))
             self.flat_params += units_flat_params[-1]
         self.flat_data: list[torch.Tensor] = []  # (padded_numel,) param dtype; storage 0 bytes when sharded
         self.param_shards: list[torch.Tensor] = []  # (shard_numel,) param dtype, persistent
-        # (padded_numel,) full gradients: None except while a flat param is being accumulated or
-        # reduce-scattered (or kept across no_sync micro-steps).
-        self.flat_grads: list[torch.Tensor | None] = []
-        self.grad_shards: list[torch.Tensor | None] = []  # (shard_numel,) reduce dtype: this rank's averaged range
-        # False until a reduce-scatter has written the grad shard since zero_grad: the first
-        # one lands directly in it, later ones (repeated backwards) are added.
-        self.grad_shard_written: list[bool] = []
+        self.states = [FlatParamState(fp) for fp in self.flat_params]  # each flat param's gradients, by index
         fp32_values = []  # (shard_numel,) fp32 each, construction only: what the masters start from
         for fp in self.flat_params:
             data, fp32 = fp.flatten_params(policy.param_dtype)  # bf16/fp16 params (frozen too) when mixed
@@ -153,24 +193,17 @@ class Zero3Engine(Checkpointing, Engine):
             fp32_values.append(fp.shard_of(fp32).clone())  # (under fp32, data and fp32 are one tensor)
             free_storage(data)  # the params stay views of it for good: core/unit.py [Note: storage, not .data]
             self.flat_data.append(data)
-            fp.use_as_grad_storage(None)  # made by backward: [Note: gradients packed when complete]
-            self.flat_grads.append(None)
-            self.grad_shards.append(None)  # allocated by the first reduce-scatter after zero_grad ([Note: grad shards])
-            self.grad_shard_written.append(False)
         self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
-        # What `.grad` shows between backwards while the grad shard exists: this rank's part of it, per param.
-        self.shown_grads: dict[int, list] = {}
+        for fp in self.flat_params:  # (padded_numel,) full gradients: None except while a flat param is
+            # accumulated or reduce-scattered (or kept by no_sync); [Note: gradients packed when complete]
+            fp.use_as_grad_storage(None)  # grad shards: allocated by the first reduce-scatter ([Note: grad shards])
         self.optimizer = ShardedOptimizer(
             optimizer_cls, optimizer_kwargs,
             param_shards=[self.param_shards[fp.index] for fp in self.trainable],
             options=[fp.options for fp in self.trainable], policy=policy, comm=comm, scaler=scaler,
             master_init=[fp32_values[fp.index] for fp in self.trainable])  # not their roundings
         del fp32_values
-        self.in_flight = InFlight()
-        # Flat params whose gradients autograd is making param by param: [Note: gradients packed when complete]
-        self.unpacked: set[int] = set()
-        self.reductions: dict[int, GradReduction] = {}  # flat param -> its reduce-scatter, until it completes
-        self.tracker = GradReadyTracker(self.flat_params, self._on_bucket_ready, self._on_backward_end,
+        self.tracker = GradReadyTracker(self.flat_params, self._on_grads_ready, self._on_backward_end,
                                         on_first_grad=self._on_first_grad, in_order=False)
         self._build_units([(name, module) for name, module, _ in unit_members], units_flat_params)
 
@@ -240,38 +273,6 @@ class Zero3Engine(Checkpointing, Engine):
             if unit.state is UnitState.SHARDED and not unit.backward_done:
                 unit.start_unshard(phase)
 
-    def register_forward_method(self, name: str) -> None:
-        """`module.<name>(...)` gathers the root unit and frees the model after, as a call of the module
-        does: [Note: forward methods]."""
-        super().register_forward_method(name)
-        method = getattr(self.module, name)
-        if getattr(method, "_zerokit_forward_method", False):
-            return
-
-        @functools.wraps(method)
-        def call(*args, **kwargs):
-            if self._in_forward or self.tracker.in_backward:  # already inside a pass: the root is whole
-                return method(*args, **kwargs)
-            saved, self.forward_order = self.forward_order, RecordedOrder(self.forward_order.recorded)
-            try:
-                self._root_pre_forward(self.module, args)
-                output = method(*args, **kwargs)
-            except BaseException:
-                self._in_forward = False
-                self._reshard_all()
-                raise
-            finally:
-                self.forward_order = saved
-            self._in_forward = False
-            if any(t.requires_grad for t in tensors_in(output)):
-                self.units[0].post_forward(output, self.tracker.begin_backward, reshard=False)
-            else:
-                self._reshard_all()
-            return output
-
-        call._zerokit_forward_method = True
-        setattr(self.module, name, call)  # an instance attribute: it shadows the class's method
-
     # -- backward: gather again before the unit's backward ops -------------------------------------
     def _pre_backward(self, unit: Unit) -> None:
         self.tracker.begin_backward()
@@ -280,60 +281,44 @@ class Zero3Engine(Checkpointing, Engine):
             self._prefetch(self.backward_order, "backward")
 
     # 2. gradient hook ---------------------------------------------------------------
-    def _on_first_grad(self, fp: FlatParamLayout) -> None:
-        """Autograd is about to accumulate this flat param's first gradient: let it make each parameter's
-        own ([Note: gradients packed when complete]), or give it the full-size gradient's views."""
-        cleared, replaced = fp.user_grad_changes()
-        if self.flat_grads[fp.index] is None and not replaced:
-            self._adopt_user_grads(fp, cleared, [], None)
-            fp.show_grads([None] * len(fp.params))
-            self.unpacked.add(fp.index)
-            return
-        if self.flat_grads[fp.index] is None:  # else kept from a no_sync micro-step
-            grad = fp.new_flat()  # (padded_numel,) zeros; autograd accumulates into the params' views
-        else:
-            grad = self.flat_grads[fp.index]
-            for view in fp.grad_views_of(grad, cleared + replaced):
-                view.zero_()
-        self._adopt_user_grads(fp, cleared, replaced, grad)
-        fp.use_as_grad_storage(grad)
-        self.flat_grads[fp.index] = grad
+    def _on_grads_ready(self, fp: FlatParamLayout) -> None:
+        """A flat param's gradients are all accumulated: packed ([Note: gradients packed when complete]), then
+        reduced (or held under no_sync: core/engine.py); the unit is freed if its backward is over."""
+        state = self.states[fp.index]
+        if state.unpacked:
+            state.flat_grad, state.unpacked = packed_grads(fp), False
+        self.reduce_or_hold(state)
+        self.unit_of[fp.index].grad_reduced()
 
-    def _adopt_user_grads(self, fp: FlatParamLayout, cleared: list[int], replaced: list[int],
-                          grad: torch.Tensor | None) -> None:
-        """Honour what user code did to `.grad` since the last backward (core/user_grads.py [Note: param.grad
-        belongs to the user]): a cleared param's part of the grad shard starts again from zero, as after
-        zero_grad(); an assigned tensor is copied into the full gradient, the gradient to accumulate onto."""
-        shard = self.grad_shards[fp.index]
-        if shard is not None and fp.zero_shard_parts(shard, cleared + replaced):
-            self.grad_shard_written[fp.index] = False  # the next reduce-scatter lands directly, as after zero_grad
-        for j, view in zip(replaced, fp.grad_views_of(grad, replaced)):
-            view.copy_(fp.params[j].grad.reshape(-1))
+    def reduce_grads(self, state: FlatParamState) -> None:
+        """Reduce-scatter now, free the full buffer when done."""
+        self.reduce_scatter_grad(state)
+        # The CPU waits here for the older one: one reduce-scatter in flight beside the newest.
+        self.in_flight.wait_until(1)
 
-    def _on_bucket_ready(self, fp: FlatParamLayout) -> None:
-        """A flat param's gradients are all accumulated: reduce-scatter now, free the full buffer when done."""
-        if fp.index in self.unpacked:
-            self._pack_grads(fp)
-        partials = self.partials_of(fp)  # reduction="tree": the pairwise partial sums (core/tree.py)
-        if self.sync_gradients:  # no_sync: keep accumulating the full gradient; the last micro-step sends it
-            self.reduce_scatter_grad(fp)
-            # The CPU waits here for the older one: one reduce-scatter in flight beside the newest.
-            self.in_flight.wait_until(1)
-        elif partials is not None:  # no_sync under the tree: this micro-batch goes into the partial sums
-            partials.add(self.flat_grads[fp.index], reuse=False)
-            self.release_flat_grad(fp)
-        self.unit_of[fp.index].grad_reduced()  # frees the unit if its backward is over
+    def reduce_scatter_grad(self, state: FlatParamState) -> None:
+        """Launch: this rank's range of the flat param's rank-averaged gradient goes into its grad shard.
 
-    def _pack_grads(self, fp: FlatParamLayout) -> None:
-        """The params' own gradients, added into a zeroed full-size gradient; `.grad` becomes its views
-        and autograd's tensors go ([Note: gradients packed when complete])."""
-        self.unpacked.discard(fp.index)
-        grad = fp.new_flat()  # (padded_numel,) zeros; a param no gradient reached keeps its zeros
-        for p, view in zip(fp.params, fp.grad_views_of(grad, range(len(fp.params)))):
-            if p.grad is not None:
-                view.add_(p.grad.reshape(-1))  # 0 + g: autograd's accumulation into a zeroed view
-        fp.use_as_grad_storage(grad)
-        self.flat_grads[fp.index] = grad
+        Divided by N (and cast) exactly as stage 0 does, so the sums agree bit for bit; added to
+        the grad shard when an earlier backward since zero_grad wrote it (as torch's .grad accumulates).
+        """
+        self.in_flight.finish_arrived()  # completed ones free their buffers first (core/comm.py
+        # [Note: finishing what has arrived])
+        reduction = self.reductions[state.index] = self.grad_reduction(state, state.flat_grad)
+        reduction.reduce_scatter(self.grad_shard(state), accumulate=state.grad_shard_written)
+        state.grad_shard_written = True
+        if reduction.copied:  # the collective reads the reduce-dtype copy: the param-dtype gradient can go now
+            self.release_flat_grad(state)
+
+        def on_done() -> None:  # the owners have this flat param's content now
+            self.reductions.pop(state.index)
+            self.release_flat_grad(state)  # `.grad` shows this rank's part of the average again
+
+        self.in_flight.push(reduction, on_done)
+
+    def grad_shard(self, state: FlatParamState) -> torch.Tensor:
+        """The flat param's (shard_numel,) grad shard, allocated (zeros) if zero_grad freed it: [Note: grad shards]."""
+        return state.grad_shard if state.grad_shard is not None else self.new_grad_shard(state)
 
     # 3. finish backward ---------------------------------------------------------------
     def _on_backward_end(self) -> None:
@@ -352,40 +337,6 @@ class Zero3Engine(Checkpointing, Engine):
             unit.reshard()
             unit.reset_backward()
 
-    def reduce_scatter_grad(self, fp: FlatParamLayout) -> None:
-        """Launch: this rank's range of the flat param's rank-averaged gradient goes into its grad shard.
-
-        Divided by N (and cast) exactly as stage 0 does, so the sums agree bit for bit; added to
-        the grad shard when an earlier backward since zero_grad wrote it (as torch's .grad accumulates).
-        """
-        self.in_flight.finish_arrived()  # completed ones free their buffers first (core/comm.py
-        # [Note: finishing what has arrived])
-        reduction = self.reductions[fp.index] = self.grad_reduction(fp, self.flat_grads[fp.index])
-        reduction.reduce_scatter(self.grad_shard(fp), accumulate=self.grad_shard_written[fp.index])
-        self.grad_shard_written[fp.index] = True
-        if reduction.copied:  # the collective reads the reduce-dtype copy: the param-dtype gradient can go now
-            self.release_flat_grad(fp)
-
-        def on_done() -> None:  # the owners have this flat param's content now
-            self.reductions.pop(fp.index)
-            self.release_flat_grad(fp)
-
-        self.in_flight.push(reduction, on_done)
-
-    def release_flat_grad(self, fp: FlatParamLayout) -> None:
-        """Drop the full-size gradient; `.grad` shows this rank's part of the average again (None while the
-        grad shard does not exist)."""
-        fp.show_grads(self.shown_grads.get(fp.index) or [None] * len(fp.params))
-        self.flat_grads[fp.index] = None
-
-    def grad_shard(self, fp: FlatParamLayout) -> torch.Tensor:
-        """The flat param's (shard_numel,) grad shard, allocated (zeros) if zero_grad freed it: [Note: grad shards]."""
-        if self.grad_shards[fp.index] is None:
-            shard = self.grad_shards[fp.index] = fp.new_flat(self.policy.reduce_dtype, numel=fp.shard_numel)
-            self.shown_grads[fp.index] = fp.sharded_grads(shard, self.comm, lambda: self.loss_scale)
-            self.grad_shard_written[fp.index] = False
-        return self.grad_shards[fp.index]
-
     # 4. step ---------------------------------------------------------------------------
     def step(self) -> bool:
         """Update this rank's shards. No all-gather: the next forward gathers. False if fp16 skipped it."""
@@ -393,19 +344,17 @@ class Zero3Engine(Checkpointing, Engine):
         self.check_user_grads_before_step()
         self.comm.agree_on_step(f"optimizer step {self.optimizer.steps_called + 1}")  # [Note: rank-dependent units]
         # A flat param no backward reached since zero_grad steps on zeros, as at stage 0.
-        return self.optimizer.step([self.grad_shard(fp) for fp in self.trainable], self.take_clip_coef())
+        return self.optimizer.step([self.grad_shard(self.states[fp.index]) for fp in self.trainable],
+                                   self.take_clip_coef())
 
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
-        self.discard_unfinished_pass(forward_cut_short=self._in_forward)  # a pass that raised: core/engine.py
-        self.clip_coef = None
-        self.clear_partials()
+        self.begin_zero_grad(forward_cut_short=self._in_forward)  # a pass that raised, ...: core/engine.py
         for fp in self.trainable:  # [Note: grad shards]
-            self.unpacked.discard(fp.index)  # a backward left half-done: its params' own gradients go too
-            self.grad_shards[fp.index] = None
-            self.shown_grads.pop(fp.index, None)
-            self.grad_shard_written[fp.index] = False
-            self.release_flat_grad(fp)  # a gradient kept by no_sync and never sent goes too; `.grad` is None
+            state = self.states[fp.index]
+            state.unpacked = False  # a backward left half-done: its params' own gradients go too
+            state.grad_shard, state.shown_grads, state.grad_shard_written = None, None, False
+            self.release_flat_grad(state)  # a gradient kept by no_sync and never sent goes too; `.grad` is None
 
     # 6. state_dict ----------------------------------------------------------------------
     def state_dict(self, full: bool = True) -> dict[str, torch.Tensor]:
@@ -435,63 +384,43 @@ class Zero3Engine(Checkpointing, Engine):
     def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
         """Every parameter whole inside the block (evaluation, initialisation, inspection). A collective.
 
-        Works at any point of a step. A unit the step has gathered (between forward and
-        backward: the root, units kept by reshard_after_forward=False, a prefetched one) is
-        used as it is and stays gathered afterwards, in the same storage, so the views
-        autograd saved from it stay valid for backward; every other unit is gathered for
-        the block and freed after it. With `writeback`, changes made inside the block are
-        written back into this rank's shards on exit (and into the fp32 masters, for the
-        elements whose low-precision value changed, so the untouched ones keep their full
-        precision). Make the same change on every rank. `writeback=False` promises the
+        Works at any point of a step: units the step has gathered stay gathered, every other
+        unit is gathered for the block (core/unit.py `gathered`). With `writeback`, changes
+        made inside the block are written back into this rank's shards on exit (and into the
+        fp32 masters, for the elements whose low-precision value changed: core/engine.py
+        `write_back`). Make the same change on every rank. `writeback=False` promises the
         block only reads.
         """
-        was_gathered = [unit.state is not UnitState.SHARDED for unit in self.units]
-        for unit in self.units:
-            unit.unshard("summon")  # a prefetch in flight completes here; it stays gathered
-        try:
-            yield
-        finally:
-            if writeback:
-                masters = dict(zip([fp.index for fp in self.trainable], self.optimizer.master_shards))
-                for fp in self.flat_params:
-                    new = fp.shard_of(self.flat_data[fp.index])  # (shard_numel,) param dtype
-                    old = self.param_shards[fp.index]
-                    master = masters.get(fp.index)
-                    if master is not None and self.policy.needs_master:
-                        master.copy_(torch.where(new != old, new.to(master.dtype), master))
-                    old.copy_(new)
-            for unit, keep in zip(self.units, was_gathered):
-                if not keep:
-                    unit.reshard()
+        with gathered(self.units):
+            try:
+                yield
+            finally:
+                if writeback:
+                    masters = dict(zip([fp.index for fp in self.trainable], self.optimizer.master_shards))
+                    news = [fp.shard_of(self.flat_data[fp.index]) for fp in self.flat_params]  # (shard_numel,) each
+                    self.write_back(self.param_shards, news, [masters.get(fp.index) for fp in self.flat_params])
+                    for old, new in zip(self.param_shards, news):
+                        old.copy_(new)
 
     def norm_shards(self) -> list[torch.Tensor]:
-        return [self.grad_shard(fp) for fp in self.trainable]
+        return [self.grad_shard(self.states[fp.index]) for fp in self.trainable]
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         out = {
             "params": self.param_shards,
-            "grads": [g for g in self.grad_shards if g is not None],
+            "grads": [s.grad_shard for s in self.states if s.grad_shard is not None],
             "master_params": self.optimizer.master_tensors(),
             "optimizer_states": self.optimizer.state_tensors(),
         }
         alive = [t for t in self.flat_data if t.untyped_storage().nbytes() > 0]
         if alive:
             out["unsharded_params"] = alive
-        grads = [g for g in self.flat_grads if g is not None]
-        grads += [p.grad for k in sorted(self.unpacked) for p in self.flat_params[k].params  # not packed yet:
+        grads = [s.flat_grad for s in self.states if s.flat_grad is not None]
+        grads += [p.grad for s in self.states if s.unpacked for p in s.fp.params  # not packed yet:
                   if p.grad is not None]  # autograd's own ([Note: gradients packed when complete])
         if grads:
             out["unsharded_grads"] = grads
         return out
-
-    def comm_buffer_tensors(self) -> list[torch.Tensor]:
-        """Buffers alive only to communicate: reduce-scatter inputs and outputs in flight (not model states).
-
-        The gathered units are reported by `memory_tensors()` (unsharded_params / _grads);
-        core/comm.py's ordered reduction allocates its receive buffers inside each call and
-        drops them when the call completes, so they are not listed.
-        """
-        return [t for reduction in self.reductions.values() for t in reduction.transient]
 
     def unsharded_param_bytes(self) -> int:
         """Bytes of gathered parameter storage alive right now (the working set)."""
