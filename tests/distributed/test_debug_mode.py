@@ -57,14 +57,14 @@ def _one_rank_under_no_sync(rank, world_size, stage):
 # rank 1, whose backward communicated nothing (or, at stage 3, only gathered units), reaches the
 # optimizer step: the sync point that stands for "no collective left" (core/comm.py [Note: debug mode]).
 RANK0_DOING = {0: "all-reducing bucket ", 1: "reduce-scattering bucket ", 2: "reduce-scattering bucket ",
-               3: "reduce-scattering bucket "}
+               3: "reduce-scattering flat param "}  # stage 3's flat params are not buckets
 RANK1_DOING = "starting optimizer step 1"
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_debug_mode_names_both_ranks_when_one_skips_its_reductions(tmp_path, stage):
     """With debug=True, one rank under no_sync() and the other not: both raise within 30 s (the group's timeout
-    is 60 s), with one message naming rank 0's reduction of a bucket and rank 1's optimizer step."""
+    is 60 s), with one message naming rank 0's reduction of a bucket (stage 3: a flat param) and rank 1's optimizer step."""
     results = run_ranks(_one_rank_under_no_sync, 2, stage, store_dir=str(tmp_path), timeout_s=150,
                         collective_timeout_s=GROUP_TIMEOUT_S)
     for rank, (message, seconds) in enumerate(results):
@@ -75,7 +75,7 @@ def test_debug_mode_names_both_ranks_when_one_skips_its_reductions(tmp_path, sta
         sides = dict(re.findall(r"^  rank (\d) is (.*)$", message, flags=re.M))
         assert sides.keys() == {"0", "1"}, message
         assert sides["0"].startswith(RANK0_DOING[stage]), message
-        assert re.match(r"[a-z-]+ bucket \d+ \(.+\) \[#\d+: \d+ x float32, backward\]$", sides["0"]), message
+        assert re.match(r"[a-z-]+ (bucket|flat param) \d+ \(.+\) \[#\d+: \d+ x float32, backward\]$", sides["0"]), message
         assert sides["1"].startswith(RANK1_DOING), message
     # the same text on both ranks, but for who raised it
     assert results[0][0].replace("rank 0)", "rank 1)", 1) == results[1][0]
@@ -204,7 +204,7 @@ def test_a_collective_that_times_out_prints_the_last_records(tmp_path):
     assert "zerokit rank 0: last 8 collectives (oldest first):" in stderr, stderr
     lines = stderr.strip().splitlines()
     assert re.search(r"#\d+ all_gather of unit <root> \(\d+ x float32, forward\)$", lines[-1]), stderr
-    assert any("reduce_scatter of bucket" in line for line in lines), stderr
+    assert any("reduce_scatter of flat param" in line for line in lines), stderr  # stage 3: not buckets
 
 
 class _FailingWork:

@@ -25,21 +25,16 @@ optimizer's master shards; core depends on no feature module.
 [Note: recovery after an exception]
 An exception inside a forward or backward (a user hook, an op, out of memory) leaves a pass
 cut short: autograd never runs the end of a backward that raised (core/hooks.py [Note: a
-backward that raised]), stage 3 leaves units gathered or still gathering (core/unit.py),
-and collectives the pass issued are still in flight. Every stage's `zero_grad` starts with
-`discard_unfinished_pass`, which forgets the hooks' bookkeeping, waits for every collective
-already issued and discards its result with the gradients, and frees stage 3's units, so
-that training continues as if the step had never started (torch DDP itself refuses the next
-forward after a backward that raised: "Expected to have finished reduction in the prior
-iteration"). This is exact when every rank raised at the same point of the same code, so that
-every rank issued the same collectives. When only some ranks raised, the other ranks went on
-issuing collectives that the raising ranks never issue, and the ranks' collectives no longer
-pair up: nothing local can repair that. Under debug=True (core/comm.py [Note: debug mode]) the
-recovering ranks' zero_grad is a checked sync point, so every rank raises at its next
-collective, the recovering ones naming their exception and saying to rebuild the engine;
-without it the next collective pairs with a different one: gloo aborts the process when the
-sizes differ (gloo::EnforceNotMet, SIGABRT), a rank may wait until the group's timeout, and
-values could mix where sizes happen to match.
+backward that raised]), stage 3 leaves units gathered, and collectives the pass issued are
+still in flight. Every stage's `zero_grad` starts with `discard_unfinished_pass`, which
+forgets the hooks' bookkeeping, waits for every collective already issued and discards its
+result with the gradients, and frees stage 3's units, so training continues as if the step
+had never started (torch DDP refuses the next forward instead). This is exact when every rank
+raised at the same point, so that every rank issued the same collectives; when only some did,
+the ranks' collectives no longer pair up and nothing local can repair that. Under debug=True
+(core/comm.py [Note: debug mode]) the recovering ranks' zero_grad is a checked sync point, so
+every rank raises at its next collective, saying to rebuild the engine; without it gloo may
+abort, a rank may wait until the group's timeout, or values could mix where sizes match.
 """
 from __future__ import annotations
 
@@ -53,7 +48,7 @@ from torch import nn
 from zerokit.core.bucketing import InFlight
 from zerokit.core.config import ShardConfig
 from zerokit.core.flat_param import FlatParamState
-from zerokit.core.grad_reduce import GradReduction
+from zerokit.core.grad_reduce import GradPath, GradReduction
 from zerokit.core.model_guard import ModelGuard
 from zerokit.core.precision import LossScaler, PrecisionPolicy, cast_floating_tensors
 from zerokit.core.tree import PartialSums, exact_square_sum, norm_from_square_sum
@@ -64,10 +59,11 @@ from zerokit.core.user_grads import UserGrads
 _NORM_CHUNK_NUMEL = 1 << 20  # elements converted to fp64 at a time when summing squares
 
 
-class Engine(UserGrads):
+class Engine(GradPath, UserGrads):
     stage: int = -1
     units: list = []  # stage 3's units (core/unit.py), freed by discard_unfinished_pass; none below it
     keeps_flat_grads = True  # stages 0-1 keep each full gradient for good; stages 2-3 free it once reduced
+    accumulates_grad_shards = True  # False at stage 1, whose grad shard lives in the full gradient
     reduce_in_no_sync = False  # stage 2's accumulate="reduce_scatter": no_sync micro-steps reduce too
 
     def __init__(self, module: nn.Module, comm, policy: PrecisionPolicy, scaler: LossScaler | None,
@@ -181,21 +177,23 @@ class Engine(UserGrads):
         the master is the param itself. Make the same change on every rank.
         `writeback=False` promises the block only reads.
         """
-        shards, masters = self.optimizer.param_shards, self.optimizer.master_shards
+        shards = self.optimizer.param_shards
         track = writeback and self.policy.needs_master
         before = [p.clone() for p in shards] if track else []  # (shard_numel,) param dtype each
         try:
             yield
         finally:
-            self.write_back(before, shards, masters)
+            self.write_back(self.trainable if track else [], before, shards)
 
-    def write_back(self, olds: list[torch.Tensor], news: list[torch.Tensor], masters: list) -> None:
-        """summon_full_params's write-back into the fp32 masters: where news[i] differs from olds[i] (the
-        param-dtype values before the block), masters[i] (or None) takes the new value; the elements
-        the block left alone keep their full precision."""
+    def write_back(self, flat_params: list, olds: list[torch.Tensor], news: list[torch.Tensor]) -> None:
+        """summon_full_params's write-back into the fp32 masters: where news[i], this rank's range of
+        flat_params[i] after the block, differs from olds[i] (its param-dtype values before), the
+        master takes the new value; the elements the block left alone keep their full precision."""
+        masters = dict(zip([fp.index for fp in self.trainable], self.optimizer.master_shards))
         if self.policy.needs_master:
-            for old, new, master in zip(olds, news, masters):
-                if master is not None:
+            for fp, old, new in zip(flat_params, olds, news):
+                if fp.index in masters:
+                    master = masters[fp.index]
                     master.copy_(torch.where(new != old, new.to(master.dtype), master))
 
     @contextlib.contextmanager
@@ -305,34 +303,6 @@ class Engine(UserGrads):
             out[category] = total
         return out
 
-    # -- reduction="tree" (core/tree.py [Note: world-size-independent bits]) -------------------
-    def grad_reduction(self, fp, grad: torch.Tensor) -> GradReduction:
-        """A bucket's gradient on its way to the average (core/grad_reduce.py), as every stage builds it."""
-        return GradReduction(self.comm, grad, self.policy.reduce_dtype, fp.label, self.partials_of(fp),
-                             divide=not self._divide_in_loss)
-
-    def partials_of(self, fp) -> PartialSums | None:
-        """The bucket's pairwise partial sums under reduction="tree"; None under "linear"."""
-        if self.config.reduction != "tree":
-            return None
-        if fp.index not in self.partials:
-            self.partials[fp.index] = PartialSums(self.policy.reduce_dtype, fp.label)
-        return self.partials[fp.index]
-
-    def check_partials_sent(self) -> None:
-        """Refuse to clip or step on micro-batches still held as partial sums (all of them under no_sync)."""
-        for partials in self.partials.values():
-            if partials.count:
-                raise RuntimeError(
-                    f"zerokit stage {self.stage} (rank {self.rank}): reduction='tree' holds {partials.count} "
-                    f"micro-batch gradient(s) of {partials.label} not yet reduced across ranks: the step's last "
-                    "backward must run outside engine.no_sync()")
-
-    def clear_partials(self) -> None:
-        """zero_grad: a new step's tree starts empty."""
-        for partials in self.partials.values():
-            partials.clear()
-
     # -- a pass that raised ([Note: recovery after an exception]) ------------------------------------
     def discard_unfinished_pass(self, forward_cut_short: bool = False) -> None:
         """Every stage's `zero_grad` starts here: forget a forward or backward that raised.
@@ -365,41 +335,6 @@ class Engine(UserGrads):
         self.discard_unfinished_pass(forward_cut_short)  # [Note: recovery after an exception]
         self.clip_coef = None
         self.clear_partials()
-
-    # -- the gradient path: one call site for every stage (core/hooks.py calls these) -----------
-    def _on_grads_ready(self, fp) -> None:
-        """A flat param's gradients are all accumulated (stages 0-2: released in index order)."""
-        self.reduce_or_hold(self.states[fp.index])
-
-    def reduce_or_hold(self, state) -> None:
-        """Synced: the stage's reduction starts now (`reduce_grads`). Inside no_sync the gradient keeps
-        accumulating in the full flat gradient (stage 2's accumulate="reduce_scatter" reduces anyway),
-        or, under reduction="tree", this micro-batch moves into its pairwise partial sums (core/tree.py)."""
-        if self.sync_gradients or self.reduce_in_no_sync:
-            self.reduce_grads(state)
-            return
-        partials = self.partials_of(state)
-        if partials is not None:
-            partials.add(state.flat_grad, reuse=self.keeps_flat_grads)
-            self.release_flat_grad(state)
-
-    def release_flat_grad(self, state) -> None:
-        """Done with the full gradient: zeroed where the stage keeps it (stages 0-1); else dropped, and
-        `.grad` shows this rank's part of the average (None while there is no grad shard)."""
-        if self.keeps_flat_grads:
-            state.flat_grad.zero_()
-            return
-        state.fp.show_grads(state.shown_grads or [None] * len(state.fp.params))
-        state.flat_grad = None
-
-    def new_grad_shard(self, state, grad_shard: torch.Tensor | None = None) -> torch.Tensor:
-        """Give a flat param its (shard_numel,) grad shard (zeros in the reduce dtype, or `grad_shard`) and
-        the ShardedGrads `.grad` shows over it after a synced backward (core/user_grads.py)."""
-        if grad_shard is None:
-            grad_shard = state.fp.new_flat(self.policy.reduce_dtype, numel=state.fp.shard_numel)
-        state.grad_shard, state.grad_shard_written = grad_shard, False
-        state.shown_grads = state.fp.sharded_grads(grad_shard, self.comm, lambda: self.loss_scale)
-        return grad_shard
 
     @property
     def flat_grads(self) -> list[torch.Tensor | None]:
@@ -466,7 +401,7 @@ class Engine(UserGrads):
 
     def norm_shards(self) -> list[torch.Tensor]:
         """The averaged gradient this rank sums squares over for the global norm (disjoint across ranks)."""
-        return [self.states[fp.index].grad_shard for fp in self.trainable]
+        return self.grad_shards()
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What the stage holds, by ledger category (params, grads, master_params, optimizer_states, ...)."""

@@ -59,7 +59,7 @@ from zerokit.core.comm import free_storage
 from zerokit.core.flat_param import FlatParamLayout, summarize_names
 from zerokit.core.tree import PartialSums
 
-__all__ = ["GradReduction", "AllReduceGroup", "all_reduce_groups"]
+__all__ = ["GradReduction", "AllReduceGroup", "all_reduce_groups", "GradPath"]
 
 
 def _send_buffer(grad: torch.Tensor, divisor: int, reduce_dtype: torch.dtype) -> torch.Tensor:
@@ -167,3 +167,120 @@ def all_reduce_groups(trainable: list[FlatParamLayout], bucket_numel: int) -> li
     """Stage 0's all-reduce groups of the trainable buckets, in order ([Note: all-reduce groups])."""
     plan = plan_all_reduce_groups([fp.padded_numel for fp in trainable], [fp.dtype for fp in trainable], bucket_numel)
     return [AllReduceGroup(k, [trainable[i] for i in members]) for k, members in enumerate(plan)]
+
+
+class GradPath:
+    """The engine's gradient path, one call site for every stage (mixed into core/engine.py's `Engine`).
+
+    The tracker (core/hooks.py) calls `_on_grads_ready`; synced, the stage's `reduce_grads`
+    runs (stages 1-3 through `reduce_scatter_grad`), inside no_sync the gradient stays local.
+    Reads the stage's `states`, `reductions`, `in_flight`, `partials`, `keeps_flat_grads`,
+    `accumulates_grad_shards` and `reduce_in_no_sync` (core/engine.py).
+    """
+
+    # -- the gradient path: one call site for every stage (core/hooks.py calls these) -----------
+    def _on_grads_ready(self, fp) -> None:
+        """A flat param's gradients are all accumulated (stages 0-2: released in index order)."""
+        self.reduce_or_hold(self.states[fp.index])
+
+    def reduce_or_hold(self, state) -> None:
+        """Synced: the stage's reduction starts now (`reduce_grads`). Inside no_sync the gradient keeps
+        accumulating in the full flat gradient (stage 2's accumulate="reduce_scatter" reduces anyway),
+        or, under reduction="tree", this micro-batch moves into its pairwise partial sums (core/tree.py)."""
+        if self.sync_gradients or self.reduce_in_no_sync:
+            self.reduce_grads(state)
+            return
+        partials = self.partials_of(state)
+        if partials is not None:
+            partials.add(state.flat_grad, reuse=self.keeps_flat_grads)
+            self.release_flat_grad(state)
+
+    def release_flat_grad(self, state) -> None:
+        """Done with the full gradient: zeroed where the stage keeps it (stages 0-1); else dropped, and
+        `.grad` shows this rank's part of the average (None while there is no grad shard)."""
+        if self.keeps_flat_grads:
+            state.flat_grad.zero_()
+            return
+        state.fp.show_grads(state.shown_grads or [None] * len(state.fp.params))
+        state.flat_grad = None
+
+    def reduce_scatter_grad(self, state) -> GradReduction:
+        """Launch (stages 1-3): this rank's range of the flat param's rank-averaged gradient goes into its grad shard.
+
+        Divided by N (and cast) exactly as stage 0 does, so the sums agree bit for bit; added to
+        the grad shard when an earlier backward since zero_grad wrote it (as torch's .grad
+        accumulates), except at stage 1, where the average overwrites this rank's range of the full
+        gradient (comm handles the aliasing) and the next backward would add onto it: refused.
+        Where the stage frees full gradients, the param-dtype one goes as soon as the collective
+        no longer reads it, and `.grad` shows this rank's part of the average again.
+        """
+        if state.grad_shard_written and not self.accumulates_grad_shards:
+            raise RuntimeError(
+                f"stage {self.stage} (rank {self.rank}): a second synced backward since gradients were cleared, for "
+                f"the bucket holding {state.fp.names[0][0]!r}; accumulate gradients inside engine.no_sync() and let "
+                "only the last micro-step synchronise, or clear gradients between steps (engine.zero_grad() or "
+                "model.zero_grad())")
+        self.in_flight.finish_arrived()  # completed ones free their buffers first (core/comm.py
+        # [Note: finishing what has arrived])
+        reduction = self.reductions[state.index] = self.grad_reduction(state, state.flat_grad)
+        reduction.reduce_scatter(self.grad_shard(state), accumulate=state.grad_shard_written)
+        state.grad_shard_written = True
+        frees = not self.keeps_flat_grads
+        if reduction.copied and frees:  # the collective reads the reduce-dtype copy: the param-dtype one can go
+            self.release_flat_grad(state)
+
+        def on_done() -> None:  # the owners have this flat param's content now
+            self.reductions.pop(state.index)
+            if frees:
+                self.release_flat_grad(state)
+
+        self.in_flight.push(reduction, on_done)
+        return reduction
+
+    def grad_shard(self, state) -> torch.Tensor:
+        """The flat param's (shard_numel,) grad shard, allocated (zeros) where zero_grad freed it (stage 3)."""
+        return state.grad_shard if state.grad_shard is not None else self.new_grad_shard(state)
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        """Stages 1-3: this rank's range of each trainable flat param's averaged gradient, what the step reads
+        (a flat param no backward reached since zero_grad steps on zeros, as at stage 0)."""
+        return [self.grad_shard(self.states[fp.index]) for fp in self.trainable]
+
+    def new_grad_shard(self, state, grad_shard: torch.Tensor | None = None) -> torch.Tensor:
+        """Give a flat param its (shard_numel,) grad shard (zeros in the reduce dtype, or `grad_shard`) and
+        the ShardedGrads `.grad` shows over it after a synced backward (core/user_grads.py)."""
+        if grad_shard is None:
+            grad_shard = state.fp.new_flat(self.policy.reduce_dtype, numel=state.fp.shard_numel)
+        state.grad_shard, state.grad_shard_written = grad_shard, False
+        state.shown_grads = state.fp.sharded_grads(grad_shard, self.comm, lambda: self.loss_scale)
+        return grad_shard
+
+
+    # -- reduction="tree" (core/tree.py [Note: world-size-independent bits]) -------------------
+    def grad_reduction(self, fp, grad: torch.Tensor) -> GradReduction:
+        """A bucket's gradient on its way to the average (core/grad_reduce.py), as every stage builds it."""
+        return GradReduction(self.comm, grad, self.policy.reduce_dtype, fp.label, self.partials_of(fp),
+                             divide=not self._divide_in_loss)
+
+    def partials_of(self, fp) -> PartialSums | None:
+        """The bucket's pairwise partial sums under reduction="tree"; None under "linear"."""
+        if self.config.reduction != "tree":
+            return None
+        if fp.index not in self.partials:
+            self.partials[fp.index] = PartialSums(self.policy.reduce_dtype, fp.label)
+        return self.partials[fp.index]
+
+    def check_partials_sent(self) -> None:
+        """Refuse to clip or step on micro-batches still held as partial sums (all of them under no_sync)."""
+        for partials in self.partials.values():
+            if partials.count:
+                raise RuntimeError(
+                    f"zerokit stage {self.stage} (rank {self.rank}): reduction='tree' holds {partials.count} "
+                    f"micro-batch gradient(s) of {partials.label} not yet reduced across ranks: the step's last "
+                    "backward must run outside engine.no_sync()")
+
+    def clear_partials(self) -> None:
+        """zero_grad: a new step's tree starts empty."""
+        for partials in self.partials.values():
+            partials.clear()
+

@@ -410,6 +410,21 @@ def gathered(units: list[Unit]) -> Iterator[None]:
                 unit.reshard()
 
 
+def reshard_all(units: list[Unit]) -> None:
+    """Free every unit and forget its backward bookkeeping (end of backward, a forward nothing backpropagates)."""
+    for unit in units:
+        unit.reshard()
+        unit.reset_backward()
+
+
+def prefetch(units: list[Unit], upcoming: list[int], phase: str) -> None:
+    """Start gathering the units a recorded order predicts next (core/prefetch.py), those still sharded."""
+    for k in upcoming:
+        unit = units[k]
+        if unit.state is UnitState.SHARDED and not unit.backward_done:
+            unit.start_unshard(phase)
+
+
 def packed_grads(fp: FlatParamLayout) -> torch.Tensor:
     """The params' own gradients added into a zeroed (padded_numel,) full gradient; `.grad` becomes its views
     and autograd's tensors go (stages/zero3.py [Note: gradients packed when complete])."""
@@ -438,7 +453,7 @@ def wrap_forward_method(engine, name: str) -> None:
             output = method(*args, **kwargs)
         except BaseException:
             engine._in_forward = False
-            engine._reshard_all()
+            reshard_all(engine.units)
             raise
         finally:
             engine.forward_order = saved
@@ -446,7 +461,7 @@ def wrap_forward_method(engine, name: str) -> None:
         if any(t.requires_grad for t in tensors_in(output)):
             engine.units[0].post_forward(output, engine.tracker.begin_backward, reshard=False)
         else:
-            engine._reshard_all()
+            reshard_all(engine.units)
         return output
 
     call._zerokit_forward_method = True

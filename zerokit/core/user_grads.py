@@ -330,7 +330,18 @@ class UserGrads:
 
     def restart_grad_shard(self, state, js: list[int]) -> None:
         """params[j]'s part of the grad shard starts again from zero (j in js); the next reduce-scatter
-        lands directly when that was every param, as after zero_grad (stage 0 has no grad shard)."""
+        lands directly when that was every param, as after zero_grad (stage 0 has no grad shard).
+
+        Stage 1 (`accumulates_grad_shards` False): once reduce-scattered, the full gradient holds the
+        average in this rank's range and local sums elsewhere, and the next backward cannot add onto
+        that, so its gradients are cleared all together (then as by zero_grad) or not at all.
+        """
+        if state.grad_shard_written and not self.accumulates_grad_shards and js and len(js) < len(state.fp.params):
+            kept = next(names[0] for j, names in enumerate(state.fp.names) if j not in js)
+            raise RuntimeError(
+                f"stage {self.stage} (rank {self.rank}): some gradients of the bucket holding {kept!r} were cleared "
+                "since the last synced backward and others not; stage 1 cannot accumulate onto an averaged "
+                "gradient: clear all of them (model.zero_grad() or engine.zero_grad())")
         if state.grad_shard is not None and state.fp.zero_shard_parts(state.grad_shard, js):
             state.grad_shard_written = False
 

@@ -79,6 +79,7 @@ from zerokit.optim.sharded import ShardedOptimizer
 
 class Zero1Engine(Checkpointing, Engine):
     stage = 1
+    accumulates_grad_shards = False  # the grad shard lives in the full gradient: one synced backward per step
 
     # 1. construct ------------------------------------------------------------------
     def __init__(self, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *, comm, policy, scaler,
@@ -115,35 +116,9 @@ class Zero1Engine(Checkpointing, Engine):
     def reduce_grads(self, state: FlatParamState) -> None:
         """A bucket's gradients are all accumulated: reduce-scatter it now, while backward goes on (buckets are
         released in bucket order: the same collective sequence on every rank). The rank-average of this
-        rank's range overwrites that range (the grad shard)."""
-        if state.grad_shard_written:
-            raise RuntimeError(
-                f"stage 1 (rank {self.rank}): a second synced backward since gradients were cleared, for the bucket "
-                f"holding {state.fp.names[0][0]!r}; accumulate gradients inside engine.no_sync() and let only the "
-                "last micro-step synchronise, or clear gradients between steps (engine.zero_grad() or "
-                "model.zero_grad())")
-        # Divided by N (and cast) exactly as stage 0 does, so the sums agree bit for bit. Without a
-        # reduce-dtype copy the output is this rank's range of the bucket itself (comm handles the aliasing).
-        self.in_flight.finish_arrived()  # completed ones free their buffers first (core/comm.py
-        # [Note: finishing what has arrived])
-        reduction = self.reductions[state.index] = self.grad_reduction(state, state.flat_grad)
-        reduction.reduce_scatter(state.grad_shard)
-        state.grad_shard_written = True
-        self.in_flight.push(reduction, lambda: self.reductions.pop(state.index))
-        if reduction.copied:
+        rank's range overwrites that range (the grad shard): core/engine.py `reduce_scatter_grad`."""
+        if self.reduce_scatter_grad(state).copied:
             self.in_flight.wait_until(1)  # the CPU waits: at most two reduce-dtype copies alive
-
-    def restart_grad_shard(self, state: FlatParamState, js: list[int]) -> None:
-        """User code cleared params[j].grad (j in js) since the last backward. Once reduce-scattered, the
-        bucket holds the average in this rank's range and local sums elsewhere: stage 1 cannot accumulate
-        onto that, so its gradients are cleared all together (then as by zero_grad) or not at all."""
-        if state.grad_shard_written and js and len(js) < len(state.fp.params):
-            kept = next(names[0] for j, names in enumerate(state.fp.names) if j not in js)
-            raise RuntimeError(
-                f"stage 1 (rank {self.rank}): some gradients of the bucket holding {kept!r} were cleared "
-                "since the last synced backward and others not; stage 1 cannot accumulate onto an averaged "
-                "gradient: clear all of them (model.zero_grad() or engine.zero_grad())")
-        super().restart_grad_shard(state, js)
 
     # 3. finish backward ---------------------------------------------------------------
     def _on_backward_end(self) -> None:
@@ -157,8 +132,7 @@ class Zero1Engine(Checkpointing, Engine):
         """Update this rank's shard of every buffer, then all-gather (core/engine.py). False if fp16 skipped it."""
         self.finish_backward()
         self.check_user_grads_before_step()
-        stepped = self.optimizer.step([self.states[fp.index].grad_shard for fp in self.trainable],
-                                      self.take_clip_coef())
+        stepped = self.optimizer.step(self.grad_shards(), self.take_clip_coef())
         if stepped:  # a skipped step changed no shard: the full buffers are still current
             self.all_gather_params()
         return stepped

@@ -114,31 +114,12 @@ class Zero2Engine(Checkpointing, Engine):
 
     # 2. gradient hook ---------------------------------------------------------------
     def reduce_grads(self, state: FlatParamState) -> None:
-        """A bucket's gradients are all accumulated: reduce-scatter now, free the full buffer when done."""
+        """A bucket's gradients are all accumulated: reduce-scatter now (into the grad shard, added to what an
+        earlier backward left there), free the full buffer when done: core/engine.py `reduce_scatter_grad`."""
         self.reduce_scatter_grad(state)
         # The CPU waits here for the oldest buckets, which bounds the full-size gradient
         # memory alive at once (module docstring) at the price of less overlap.
         self.in_flight.wait_until(self.max_in_flight)
-
-    def reduce_scatter_grad(self, state: FlatParamState) -> None:
-        """Launch: this rank's range of the bucket's rank-averaged gradient goes into its grad shard.
-
-        Divided by N (and cast) exactly as stage 0 does, so the sums agree bit for bit; added to
-        the grad shard when an earlier backward since zero_grad wrote it (as torch's .grad accumulates).
-        """
-        self.in_flight.finish_arrived()  # completed ones free their buffers first (core/comm.py
-        # [Note: finishing what has arrived])
-        reduction = self.reductions[state.index] = self.grad_reduction(state, state.flat_grad)
-        reduction.reduce_scatter(state.grad_shard, accumulate=state.grad_shard_written)
-        state.grad_shard_written = True
-        if reduction.copied:  # the collective reads the reduce-dtype copy: the param-dtype bucket can go now
-            self.release_flat_grad(state)
-
-        def on_done() -> None:  # the owners have this bucket's content now
-            self.reductions.pop(state.index)
-            self.release_flat_grad(state)  # `.grad` shows this rank's part of the average again
-
-        self.in_flight.push(reduction, on_done)
 
     # 3. finish backward: wait for every reduce-scatter (core/engine.py) -----------------
 
@@ -147,8 +128,7 @@ class Zero2Engine(Checkpointing, Engine):
         """Update this rank's shard of every buffer, then all-gather (core/engine.py). False if fp16 skipped it."""
         self.finish_backward()
         self.check_user_grads_before_step()
-        stepped = self.optimizer.step([self.states[fp.index].grad_shard for fp in self.trainable],
-                                      self.take_clip_coef())
+        stepped = self.optimizer.step(self.grad_shards(), self.take_clip_coef())
         if stepped:  # a skipped step changed no shard: the full buffers are still current
             self.all_gather_params()
         return stepped

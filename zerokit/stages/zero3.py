@@ -3,22 +3,19 @@
 Stage 2 still holds every parameter whole between steps, although a rank updates only its
 own range. Stage 3 keeps only the param shards, and gathers a group of modules' parameters
 whole just for that group's forward and backward: a *unit* (core/unit.py). That is the one
-idea this file adds to stage 2; the gradient path (lazy full-size gradients, a reduce-scatter
-per flat param as soon as it is complete) is stage 2's, except that zero_grad frees the grad
-shards ([Note: grad shards]).
+idea this file adds to stage 2; the gradient path is stage 2's, except that gradients are
+packed once complete and zero_grad frees the grad shards (the Notes below).
 
-The model is split into units by the `wrap` policy (e.g. every GPT `Block`); the root unit
-holds every parameter no unit claims (embeddings, final norm, the tied head). Each unit's
-parameters live in padded flat buffers (one per dtype / requires_grad / hyperparameter group
+The `wrap` policy splits the model into units (e.g. every GPT `Block`); the root unit holds
+every parameter no unit claims (embeddings, final norm, the tied head). Each unit's
+parameters live in padded flat params (one per dtype / requires_grad / hyperparameter group
 within the unit, never split), of which only this rank's range persists:
 
     param_shard (shard_numel,)    persistent, param dtype; the optimizer's fp32 master covers it
-    grad_shard  (shard_numel,)    the gradient averaged over ranks for that range, from the first
-                                  reduce-scatter after zero_grad until the next zero_grad
+    grad_shard  (shard_numel,)    reduce dtype, from the first reduce-scatter after zero_grad
+                                  until the next zero_grad ([Note: grad shards])
     flat_data   (padded_numel,)   the gathered flat buffer; its storage is 0 bytes whenever the
-                                  unit is sharded (core/unit.py [Note: storage, not .data]), and
-                                  its params then refuse reads (core/unit.py [Note: a sharded
-                                  parameter refuses reads])
+                                  unit is sharded (core/unit.py [Note: storage, not .data])
 
 What happens, per step (differences from stage 2 marked *):
   * construction: as stage 2, *but the param shards are copies and the flat buffers' storage
@@ -26,11 +23,10 @@ What happens, per step (differences from stage 2 marked *):
   * *forward: the root is gathered when the model is called; a forward pre-hook gathers each
     unit (already in flight when `prefetch` > 0, core/prefetch.py), the unit computes, and a
     forward hook frees it (`reshard_after_forward=True`) or keeps it for backward (False);
-  * backward: *a hook on a unit's outputs gathers it again before its backward ops run; *autograd
-    makes each parameter's gradient, and once a flat param's are all there they are packed into
-    its full-size gradient ([Note: gradients packed when complete]), which is reduce-scattered into
-    its grad shard at once, at most one reduce-scatter left in flight; *once the unit's backward is
-    over its parameters are freed (core/unit.py [Note: gather again in backward]);
+  * backward: *a hook on a unit's outputs gathers it again before its backward ops run; once a
+    flat param's gradients are all there they are packed and reduce-scattered into its grad
+    shard, at most one reduce-scatter left in flight; *once the unit's backward is over its
+    parameters are freed (core/unit.py [Note: gather again in backward]);
   * step: every rank updates its own shard. *No all-gather after it: the next forward gathers.
 
 Collectives per step, logical bytes per rank (p = param bytes/elt, g = grad bytes/elt):
@@ -39,110 +35,40 @@ Collectives per step, logical bytes per rank (p = param bytes/elt, g = grad byte
                                           none for units kept with reshard_after_forward=False)
   reduce-scatter in backward Ψ·g        (trainable parameters only)
   total 3Ψ·g when p = g: 1.5x DDP's 2Ψ·g, minus the backward gathers kept units save.
+No_sync keeps the full gradients (stage 2's accumulate="local"); gathers stay in the param dtype.
 
-Gradient accumulation (`no_sync()`): the full-size gradients are kept and accumulate locally
-(stage 2's accumulate="local"); the last micro-step reduce-scatters the sum.
-
-Reduce dtype (core/grad_reduce.py [Note: reduce dtype]): as at stage 2, grad shards are
-(shard_numel,) reduce-dtype tensors and a complete gradient is cast into a reduce-dtype copy,
-released when its reduce-scatter completes; the gathers stay in the param dtype.
-
-Per-rank memory (Ψ parameters, up to padding < N elements per flat buffer):
+Per-rank memory (Ψ parameters, up to padding < N elements per flat param):
   fp32 + Adam:       params 4Ψ/N + grads 4Ψ/N + optimizer_states 8Ψ/N                    = 16Ψ/N
   bf16/fp16 + Adam:  params 2Ψ/N + grads 2Ψ/N + master_params 4Ψ/N + optimizer_states 8Ψ/N = 16Ψ/N
-  plus the working set: the unsharded units alive at once. With reshard_after_forward=True at
-  most root + (1 + prefetch) units of parameters (param dtype), and in backward the full-size
-  gradients of the flat param being computed and of the one whose reduce-scatter is in flight.
-  A unit called twice in one forward stays gathered until its last call, and units are kept
-  whole while a checkpointed region is recomputed (core/unit.py [Note: activation
-  checkpointing]); both can add to the bound.
+  plus the working set: with reshard_after_forward=True at most root + (1 + prefetch) units of
+  parameters, and in backward the full gradients of the flat param being computed and of the one
+  being reduce-scattered (a unit called twice in one forward, or recomputed under activation
+  checkpointing, core/unit.py, stays gathered longer).
 
-Every rank must run the same units in the same order: checked, core/comm.py [Note: rank-dependent units].
-A method that runs the model without calling it (a PEFT `generate`) is registered with
+Every rank must run the same units in the same order: checked, core/comm.py [Note: rank-dependent
+units]. A method that runs the model without calling it (a PEFT `generate`) is registered with
 `register_forward_method`: core/unit.py [Note: forward methods].
 
 [Note: grad shards]
-A grad shard is needed from its flat param's first reduce-scatter to the optimizer step, and
-not between zero_grad and backward. zero_grad therefore frees every grad shard (as torch FSDP's
-zero_grad(set_to_none=True) frees the sharded `.grad`s) and the first reduce-scatter of the next
-backward allocates it: in a step that starts with zero_grad, backward's peak holds the grad
-shards of the units reduced so far rather than all of them (4Ψ/N fewer bytes at its start in
-fp32). Between
-zero_grad and that reduce-scatter, the params' `.grad` is None, as in torch. A flat param that
-no backward reached since zero_grad steps on zeros, as at stage 0 (`grad_shard` allocates
-them), so the stages stay bitwise equal. The model-state formula (16Ψ/N) is what a rank holds
-after backward and step, as for every stage.
-
-[Note: gradients packed when complete]), which is reduce-scattered into
-    its grad shard at once, at most one reduce-scatter left in flight; *once the unit's backward is
-    over its parameters are freed (core/unit.py [Note: gather again in backward]);
-  * step: every rank updates its own shard. *No all-gather after it: the next forward gathers.
-
-Collectives per step, logical bytes per rank (p = param bytes/elt, g = grad bytes/elt):
-  all-gather in forward      Ψ·p        (every unit, root included)
-  all-gather in backward     Ψ·p        (every unit but the root, which stays gathered;
-                                          none for units kept with reshard_after_forward=False)
-  reduce-scatter in backward Ψ·g        (trainable parameters only)
-  total 3Ψ·g when p = g: 1.5x DDP's 2Ψ·g, minus the backward gathers kept units save.
-
-Gradient accumulation (`no_sync()`): the full-size gradients are kept and accumulate locally
-(stage 2's accumulate="local"); the last micro-step reduce-scatters the sum.
-
-Reduce dtype (core/grad_reduce.py [Note: reduce dtype]): as at stage 2, grad shards are
-(shard_numel,) reduce-dtype tensors and a complete gradient is cast into a reduce-dtype copy,
-released when its reduce-scatter completes; the gathers stay in the param dtype.
-
-Per-rank memory (Ψ parameters, up to padding < N elements per flat buffer):
-  fp32 + Adam:       params 4Ψ/N + grads 4Ψ/N + optimizer_states 8Ψ/N                    = 16Ψ/N
-  bf16/fp16 + Adam:  params 2Ψ/N + grads 2Ψ/N + master_params 4Ψ/N + optimizer_states 8Ψ/N = 16Ψ/N
-  plus the working set: the unsharded units alive at once. With reshard_after_forward=True at
-  most root + (1 + prefetch) units of parameters (param dtype), and in backward the full-size
-  gradients of the flat param being computed and of the one whose reduce-scatter is in flight.
-  A unit called twice in one forward stays gathered until its last call, and units are kept
-  whole while a checkpointed region is recomputed (core/unit.py [Note: activation
-  checkpointing]); both can add to the bound.
-
-Every rank must run the same units in the same order: checked, core/comm.py [Note: rank-dependent units].
-A method that runs the model without calling it (a PEFT `generate`) is registered with
-`register_forward_method`: core/unit.py [Note: forward methods].
-
-[Note: grad shards]
-A grad shard is needed from its flat param's first reduce-scatter to the optimizer step, and
-not between zero_grad and backward. zero_grad therefore frees every grad shard (as torch FSDP's
-zero_grad(set_to_none=True) frees the sharded `.grad`s) and the first reduce-scatter of the next
-backward allocates it: in a step that starts with zero_grad, backward's peak holds the grad
-shards of the units reduced so far rather than all of them (4Ψ/N fewer bytes at its start in
-fp32). Between
-zero_grad and that reduce-scatter, the params' `.grad` is None, as in torch. A flat param that
-no backward reached since zero_grad steps on zeros, as at stage 0 (`grad_shard` allocates
-them), so the stages stay bitwise equal. The model-state formula (16Ψ/N) is what a rank holds
-after backward and step, as for every stage.
-
-[Note: forward methods]
-The root unit (embeddings, final norm, head) is gathered by a forward pre-hook on the model, so
-it runs when the model is *called*. Some methods run the model's parts without calling it: a
-PEFT `PeftModel.generate` calls the inner model's `generate`, whose forwards call the inner
-model, not the PeftModel the engine wraps. Their first read of a root parameter was refused
-(core/unit.py [Note: a sharded parameter refuses reads]). `register_forward_method(name)` wraps
-the method as FSDP2's `register_fsdp_forward_method` does: the root is gathered before it runs
-and the model freed after it (or, if its output requires grad, kept for backward as after a
-call). Units still gather and free themselves around each of their forwards. The method's pass
-is recorded apart from training's ([Note: recorded prefetch order] in core/prefetch.py): a
-generate calls each unit once per new token, and were that the record, the next training
-forward would keep units gathered for calls that never come.
+A grad shard is needed from its flat param's first reduce-scatter to the optimizer step, not
+between zero_grad and backward. So zero_grad frees every grad shard (as torch FSDP's
+zero_grad(set_to_none=True) frees the sharded `.grad`s) and the first reduce-scatter of the
+next backward allocates it: backward's peak holds the grad shards of the units reduced so far,
+not all of them. Meanwhile the params' `.grad` is None, as in torch. A flat param no backward
+reached since zero_grad steps on zeros, as at stage 0 (`Engine.grad_shard` allocates them), so
+the stages stay bitwise equal. The formula above (16Ψ/N) is what a rank holds after backward.
 
 [Note: gradients packed when complete]
 Stages 0-2 give every parameter a `.grad` view into its bucket's flat gradient before autograd's
-first accumulation, so gradients land in communication-ready storage. Stage 3 does not: a unit's
-whole flat gradient would then be allocated at the unit's first gradient, early in its backward,
-while that unit's activations are all still live, though most of its gradients are not computed
-yet (FSDP2 does not allocate it either). Instead `.grad` is None when autograd reaches a flat
-param (`_on_first_grad`, core/user_grads.py), autograd makes each parameter's gradient, and when the last one is there
-(`_on_grads_ready`) they are added into a zeroed (padded_numel,) buffer, `.grad` becomes a view
-of it, and autograd's tensors go. Adding onto zeros is what autograd's accumulation into a zeroed
-view did, so the bits are those of stages 0-2, at a lower peak (benchmarks/speed_vs_torch.py). When a full gradient already exists (kept by
-no_sync) or user code assigned a `.grad`, autograd accumulates into the full gradient's views, as
-at stages 0-2.
+first accumulation. At stage 3 a unit's whole flat gradient would then be allocated early in its
+backward, while its activations are all still live and most of its gradients not yet computed
+(FSDP2 does not allocate it either). Instead `.grad` is None when autograd reaches a flat param
+(`packs_grads`, core/user_grads.py), autograd makes each parameter's gradient, and when the last
+one is there (`_on_grads_ready`) they are added into a zeroed (padded_numel,) buffer, `.grad`
+becomes its views, and autograd's tensors go (core/unit.py `packed_grads`). Adding onto zeros is
+what autograd's accumulation into a zeroed view did, so the bits are those of stages 0-2. When a
+full gradient already exists (kept by no_sync) or user code assigned a `.grad`, autograd
+accumulates into the full gradient's views, as at stages 0-2.
 """
 from __future__ import annotations
 
@@ -160,7 +86,7 @@ from zerokit.core.flat_param import FlatParamLayout, FlatParamState, build_flat_
 from zerokit.core.hooks import GradReadyTracker
 from zerokit.core.nest import tensors_in
 from zerokit.core.prefetch import RecordedOrder, reverse_first_calls
-from zerokit.core.unit import Unit, UnitState, eager, gathered, packed_grads, split_into_units
+from zerokit.core.unit import Unit, eager, gathered, packed_grads, prefetch, reshard_all, split_into_units
 from zerokit.optim.sharded import ShardedOptimizer
 
 
@@ -234,7 +160,8 @@ class Zero3Engine(Checkpointing, Engine):
         self._in_forward = True
         self.forward_order.begin()
         self.units[0].unshard("forward")
-        self._prefetch(self.forward_order, "forward")  # the root computes while the first unit's gather flies
+        # the root computes while the first unit's gather flies
+        prefetch(self.units, self.forward_order.upcoming(self.prefetch), "forward")
 
     def _root_post_forward(self, module, args, output) -> None:
         if self.tracker.in_backward:
@@ -243,7 +170,7 @@ class Zero3Engine(Checkpointing, Engine):
         if self.forward_order.end():  # a new order: core/prefetch.py [Note: recorded prefetch order]
             self.backward_order = RecordedOrder(reverse_first_calls(self.forward_order.recorded))
         if not any(t.requires_grad for t in tensors_in(output)):  # no backward will follow: free everything now
-            self._reshard_all()
+            reshard_all(self.units)
             return
         self.units[0].post_forward(output, self.tracker.begin_backward, reshard=False)
 
@@ -254,7 +181,7 @@ class Zero3Engine(Checkpointing, Engine):
                 return None
             self.forward_order.visit(unit.index)
             watched = unit.pre_forward(args, kwargs)
-            self._prefetch(self.forward_order, "forward")
+            prefetch(self.units, self.forward_order.upcoming(self.prefetch), "forward")
             return watched
         return eager(pre_forward)
 
@@ -266,19 +193,12 @@ class Zero3Engine(Checkpointing, Engine):
             unit.post_forward(output, lambda: self._pre_backward(unit), reshard)
         return eager(post_forward)
 
-    def _prefetch(self, order: RecordedOrder, phase: str) -> None:
-        """Start gathering the next `prefetch` units the recorded order predicts (those still sharded)."""
-        for k in order.upcoming(self.prefetch):
-            unit = self.units[k]
-            if unit.state is UnitState.SHARDED and not unit.backward_done:
-                unit.start_unshard(phase)
-
     # -- backward: gather again before the unit's backward ops -------------------------------------
     def _pre_backward(self, unit: Unit) -> None:
         self.tracker.begin_backward()
         if unit.pre_backward():  # the first of its outputs' gradients in this backward
             self.backward_order.visit(unit.index)
-            self._prefetch(self.backward_order, "backward")
+            prefetch(self.units, self.backward_order.upcoming(self.prefetch), "backward")
 
     # 2. gradient hook ---------------------------------------------------------------
     def _on_grads_ready(self, fp: FlatParamLayout) -> None:
@@ -291,51 +211,23 @@ class Zero3Engine(Checkpointing, Engine):
         self.unit_of[fp.index].grad_reduced()
 
     def reduce_grads(self, state: FlatParamState) -> None:
-        """Reduce-scatter now, free the full buffer when done."""
+        """Reduce-scatter now (into the grad shard, allocated if zero_grad freed it: [Note: grad shards]), free the
+        full buffer when done: core/engine.py `reduce_scatter_grad`."""
         self.reduce_scatter_grad(state)
         # The CPU waits here for the older one: one reduce-scatter in flight beside the newest.
         self.in_flight.wait_until(1)
 
-    def reduce_scatter_grad(self, state: FlatParamState) -> None:
-        """Launch: this rank's range of the flat param's rank-averaged gradient goes into its grad shard.
-
-        Divided by N (and cast) exactly as stage 0 does, so the sums agree bit for bit; added to
-        the grad shard when an earlier backward since zero_grad wrote it (as torch's .grad accumulates).
-        """
-        self.in_flight.finish_arrived()  # completed ones free their buffers first (core/comm.py
-        # [Note: finishing what has arrived])
-        reduction = self.reductions[state.index] = self.grad_reduction(state, state.flat_grad)
-        reduction.reduce_scatter(self.grad_shard(state), accumulate=state.grad_shard_written)
-        state.grad_shard_written = True
-        if reduction.copied:  # the collective reads the reduce-dtype copy: the param-dtype gradient can go now
-            self.release_flat_grad(state)
-
-        def on_done() -> None:  # the owners have this flat param's content now
-            self.reductions.pop(state.index)
-            self.release_flat_grad(state)  # `.grad` shows this rank's part of the average again
-
-        self.in_flight.push(reduction, on_done)
-
-    def grad_shard(self, state: FlatParamState) -> torch.Tensor:
-        """The flat param's (shard_numel,) grad shard, allocated (zeros) if zero_grad freed it: [Note: grad shards]."""
-        return state.grad_shard if state.grad_shard is not None else self.new_grad_shard(state)
-
     # 3. finish backward ---------------------------------------------------------------
     def _on_backward_end(self) -> None:
         self.in_flight.wait_all()
-        self._reshard_all()
+        reshard_all(self.units)
         self.backward_order.end()  # re-recorded if it changed: core/prefetch.py
 
     def finish_backward(self) -> None:
         self.tracker.finish_if_pending()
         self.in_flight.wait_all()
         if not self._in_forward:  # e.g. a forward whose loss was never backpropagated
-            self._reshard_all()
-
-    def _reshard_all(self) -> None:
-        for unit in self.units:
-            unit.reshard()
-            unit.reset_backward()
+            reshard_all(self.units)
 
     # 4. step ---------------------------------------------------------------------------
     def step(self) -> bool:
@@ -343,9 +235,7 @@ class Zero3Engine(Checkpointing, Engine):
         self.finish_backward()
         self.check_user_grads_before_step()
         self.comm.agree_on_step(f"optimizer step {self.optimizer.steps_called + 1}")  # [Note: rank-dependent units]
-        # A flat param no backward reached since zero_grad steps on zeros, as at stage 0.
-        return self.optimizer.step([self.grad_shard(self.states[fp.index]) for fp in self.trainable],
-                                   self.take_clip_coef())
+        return self.optimizer.step(self.grad_shards(), self.take_clip_coef())
 
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -396,14 +286,10 @@ class Zero3Engine(Checkpointing, Engine):
                 yield
             finally:
                 if writeback:
-                    masters = dict(zip([fp.index for fp in self.trainable], self.optimizer.master_shards))
                     news = [fp.shard_of(self.flat_data[fp.index]) for fp in self.flat_params]  # (shard_numel,) each
-                    self.write_back(self.param_shards, news, [masters.get(fp.index) for fp in self.flat_params])
+                    self.write_back(self.flat_params, self.param_shards, news)
                     for old, new in zip(self.param_shards, news):
                         old.copy_(new)
-
-    def norm_shards(self) -> list[torch.Tensor]:
-        return [self.grad_shard(self.states[fp.index]) for fp in self.trainable]
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         out = {
@@ -430,6 +316,6 @@ class Zero3Engine(Checkpointing, Engine):
     def load_flat_params(self, flats: list[torch.Tensor]) -> None:
         """Checkpoint loading: keep this rank's range of each full buffer; every unit stays sharded."""
         self.finish_backward()
-        self._reshard_all()  # the next forward gathers the loaded shards
+        reshard_all(self.units)  # the next forward gathers the loaded shards
         for fp, full in zip(self.flat_params, flats):
             self.param_shards[fp.index].copy_(fp.shard_of(full))  # (shard_numel,) cast to the param dtype
