@@ -24,8 +24,8 @@ from zerokit.launch import run_ranks
 from zerokit.models import Block, CharCorpus, build_model
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
-from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
+sys.path.insert(0, str(REPO))
+from zerokit.provenance import command_line, provenance, provenance_lines, write_pair  # noqa: E402
 
 
 def _paired(rank, world_size, pairs):

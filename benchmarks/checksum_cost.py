@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import zerokit as zk  # noqa: E402
 from zerokit import checkpoint  # noqa: E402
-from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
+from zerokit.provenance import command_line, provenance, provenance_lines, write_pair  # noqa: E402
 
 STRONG = ["sha256", "blake2b", "blake2s", "sha512", "sha3_256"]
 WEAK = ["sha1", "md5"]  # collision attacks known: listed for scale only

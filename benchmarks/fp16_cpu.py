@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zerokit as zk  # noqa: E402
 from zerokit.commands.step import train_step  # noqa: E402
 from zerokit.models import CharCorpus, build_model  # noqa: E402
-from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
+from zerokit.provenance import command_line, provenance, provenance_lines, write_pair  # noqa: E402
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from zerokit.core.comm import Comm  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
-from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
+from zerokit.provenance import command_line, provenance, provenance_lines, write_pair  # noqa: E402
 
 WAYS = ("torch all_gather_into_tensor", "zerokit Comm.all_gather", "zerokit, N broadcasts")
 MANY_WAYS = ("torch coalesced all-gather", "zerokit Comm.all_gather_many (packed)", "zerokit packed, N broadcasts")

@@ -44,7 +44,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: import the check
     sys.path.insert(0, str(REPO))
 
 import zerokit as zk  # noqa: E402
-from _results import git_commit  # noqa: E402  (benchmarks/_results.py, beside this script)
+from zerokit.provenance import git_commit  # noqa: E402
 from zerokit.commands.step import train_step  # noqa: E402
 from zerokit.core.comm import Comm, Simulated  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402

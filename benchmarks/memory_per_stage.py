@@ -29,7 +29,7 @@ each stage of --stages, the model built directly on the device (`with torch.devi
 and `torch.cuda.max_memory_allocated()` during the step (forward, backward, optimizer step),
 each minus what was allocated before the model was built, beside the formula's model states
 (+ `activation_bytes_estimate`, + at stage 3 `zero3_working_set_bytes`). Results go through
-benchmarks/_results.py (`provenance`, `write_pair`) to memory_per_stage_<device>_<model>.json
+zerokit/provenance.py (`provenance`, `write_pair`) to memory_per_stage_<device>_<model>.json
 and .md; the default run above and its files are unchanged.
 """
 from __future__ import annotations
@@ -54,8 +54,7 @@ sys.path.insert(0, str(REPO))
 from zerokit.commands.compare import available_stages  # noqa: E402
 from zerokit.commands.memory import simulate_rank  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
-from _results import command_line, git_commit, provenance, provenance_lines, write_pair  # noqa: E402
-# (benchmarks/_results.py, beside this script)
+from zerokit.provenance import command_line, git_commit, provenance, provenance_lines, write_pair  # noqa: E402
 
 MODEL_STATES = ("params", "grads", "master_params", "optimizer_states")
 COLUMNS = MODEL_STATES + ("comm_buffers", "activations")
@@ -342,7 +341,7 @@ def device_row(r: dict, unit: str) -> str:
 
 
 def device_main(args: argparse.Namespace) -> int:
-    """--device: simulated ranks of every --world-sizes x --stages, results through benchmarks/_results.py."""
+    """--device: simulated ranks of every --world-sizes x --stages, results through zerokit/provenance.py."""
     from zerokit.models import num_params, preset
 
     device = torch.device(args.device)

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import speed_vs_torch as S  # noqa: E402  (the runs' construction, the data)
 from zerokit.launch import run_ranks  # noqa: E402
-from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
+from zerokit.provenance import command_line, provenance, provenance_lines, write_pair  # noqa: E402
 
 
 def pairs_of(stages: list[int]) -> list[tuple[int, str]]:

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from zerokit.core.comm import Comm  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
-from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
+from zerokit.provenance import command_line, provenance, provenance_lines, write_pair  # noqa: E402
 from gather_cost import allocated_while, slowest_rank_median, timed_rounds  # noqa: E402
 
 WORLD_SIZE = 2

@@ -86,7 +86,7 @@ precision; the torch peers stay fp32, as in `zerokit compare`.
 With CUDA available the ranks use NCCL, one GPU each, and time with `torch.cuda.synchronize()`;
 results go to speed_vs_torch_cuda.*. Without it: gloo on CPU, speed_vs_torch_cpu.*. A world size
 other than 2 adds `_n<N>` to the name (`--nproc 4`: speed_vs_torch_cpu_n4.*), so that the two
-target world sizes keep a results file each. Both through benchmarks/_results.py (`provenance`,
+target world sizes keep a results file each. Both through zerokit/provenance.py (`provenance`,
 `write_pair`): command, date, commit, machine, versions.
 
     python benchmarks/speed_vs_torch.py --peers plain --nproc 1 --model gpt2-medium --precision bf16 \
@@ -129,8 +129,7 @@ sys.path.insert(0, str(REPO))
 
 from zerokit.commands.compare import _no_decay, _unique_bytes, available_stages, environment  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
-from _results import command_line, git_commit, provenance, provenance_lines, write_pair  # noqa: E402
-# (benchmarks/_results.py, beside this script)
+from zerokit.provenance import command_line, git_commit, provenance, provenance_lines, write_pair  # noqa: E402
 
 # Largest |Δloss| accepted between a pair at fp32. The DDP pairs sum gradients in the same
 # order and may agree exactly; ZeroRedundancyOptimizer and FSDP reduce in other orders

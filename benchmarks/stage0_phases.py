@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import speed_vs_torch as S  # noqa: E402  (the peers' construction, the data, the no-decay split)
 from zerokit.launch import run_ranks  # noqa: E402
-from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
+from zerokit.provenance import command_line, provenance, provenance_lines, write_pair  # noqa: E402
 
 PHASES = ("zero_grad", "forward", "backward", "step")
 PER_BUCKET = "zerokit stage 0, one all-reduce per bucket (before)"

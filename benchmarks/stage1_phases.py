@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import speed_vs_torch as S  # noqa: E402  (the peers' construction, the data, the no-decay split)
 import stage0_phases as P  # noqa: E402  (the phase-timing loop, the summary and the table)
-from _results import provenance_lines  # noqa: E402
+from zerokit.provenance import provenance_lines  # noqa: E402
 
 ZK, ZERO = "zerokit stage 1", "torch ZeroRedundancyOptimizer"
 CAPPED = "zerokit stage 1, buckets capped (before)"

@@ -44,7 +44,7 @@ from zerokit.commands.step import train_step  # noqa: E402
 from zerokit.core.ledger import ActivationMeter  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
 from zerokit.models import Block, CharCorpus, GPTConfig, build_model  # noqa: E402
-from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
+from zerokit.provenance import command_line, provenance, provenance_lines, write_pair  # noqa: E402
 import speed_vs_torch as S  # noqa: E402  (its allocator pass: benchmarks/speed_vs_torch.py)
 
 STAGES = (0, 1, 2, 3)

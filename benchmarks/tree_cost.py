@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zerokit as zk  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
 from zerokit.models import Block, CharCorpus, build_model  # noqa: E402
-from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
+from zerokit.provenance import command_line, provenance, provenance_lines, write_pair  # noqa: E402
 
 STAGES = (0, 1, 2, 3)
 REDUCTIONS = ("linear", "tree")

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import speed_vs_torch as S  # noqa: E402  (benchmarks/speed_vs_torch.py: the runs and the counter)
-from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402
+from zerokit.provenance import command_line, provenance, provenance_lines, write_pair  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TOP = 12  # groups listed per moment

@@ -1,13 +1,9 @@
-"""benchmarks/_results.py: every results file can say which command, date, commit, machine and versions made it."""
+"""zerokit/provenance.py: every results file can say which command, date, commit, machine and versions made it."""
 import json
 import re
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import _results  # noqa: E402
+from zerokit import provenance as _results
 
 COMMIT = re.compile(r"^([0-9a-f]{40}(-dirty)?|unknown)$")
 
@@ -59,7 +55,7 @@ def test_record_writes_provenance_then_output_and_returns_the_status(tmp_path):
 
 
 def test_write_pair_writes_the_record_and_its_markdown(tmp_path):
-    """benchmarks/_results.write_pair: out.json holds the record as written, out.md the markdown, folders made."""
+    """zerokit/provenance.write_pair: out.json holds the record as written, out.md the markdown, folders made."""
     out = tmp_path / "nested" / "cost"
     _results.write_pair(out, {"command": "python x.py", "rows": [1, 2]}, "# title\n")
     assert json.loads(out.with_suffix(".json").read_text()) == {"command": "python x.py", "rows": [1, 2]}

@@ -27,7 +27,7 @@ The events are
   end" sees it freed again) and a gradient hook on the block's output.
 
 It writes `timeline.json` (every event of every rank, the formula's bytes, and the provenance:
-command, date, git commit, machine, versions, as benchmarks/_results.py records them) and
+command, date, git commit, machine, versions, as zerokit/provenance.py records them) and
 `timeline.png`: per rank, the categories stacked over the step's events, each event's label under
 the x axis, and the formula's bytes (`zk.estimate`: model states; plus the activation estimate and,
 at stage 3, the working-set estimate of core/estimate.py) as horizontal lines.
@@ -43,16 +43,13 @@ saved-tensor hooks on every device, so the stacked categories mean the same ever
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.util
 import json
-import os
-import platform
 import shlex
-import socket
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from zerokit.provenance import provenance
 
 # Stacking order, bottom to top: what persists between steps first, what one step creates on top.
 CATEGORIES: tuple[str, ...] = ("optimizer_states", "master_params", "params", "grads", "unsharded_params",
@@ -261,28 +258,6 @@ def peaks(events: list[dict], categories: list[str]) -> dict:
     top = max(events, key=lambda e: e["total"])
     return {"by_category": {c: max(e["bytes"].get(c, 0) for e in events) for c in categories},
             "total": top["total"], "total_at": {"index": top["index"], "label": top["label"]}}
-
-
-def provenance(command: str) -> dict:
-    """benchmarks/_results.py's record (command, date, commit, machine, versions) when this is a checkout.
-
-    Installed without the repository, the same keys filled here (commit "unknown").
-    """
-    results = Path(__file__).resolve().parents[2] / "benchmarks" / "_results.py"
-    if results.is_file():
-        spec = importlib.util.spec_from_file_location("_zerokit_results", results)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module.provenance(command)
-    import torch
-
-    return {"command": command,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": "unknown",
-            "machine": {"hostname": socket.gethostname(), "platform": platform.platform(),
-                        "cpu_model": platform.processor() or None, "cpu_count": os.cpu_count(),
-                        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]},
-            "versions": {"python": platform.python_version(), "torch": torch.__version__}}
 
 
 def command_of(args: argparse.Namespace) -> str:

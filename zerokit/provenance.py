@@ -1,12 +1,12 @@
 """Where a results file's numbers came from: command, date, git commit, machine and versions.
 
 Every file under benchmarks/results carries this record, so a figure can be traced to the
-code that produced it. The benchmark scripts put `provenance(...)` into their JSON and
+code that produced it; `zerokit timeline` writes it too. The benchmark scripts put `provenance(...)` into their JSON and
 `provenance_lines(...)` into their Markdown. Commands that are not benchmark scripts (the
 demo, `zerokit formats --underflow`) are recorded as transcripts:
 
-    python benchmarks/_results.py record benchmarks/results/demo.txt -- scripts/demo.sh
-    python benchmarks/_results.py record benchmarks/results/underflow.txt -- python -m zerokit formats --underflow
+    python -m zerokit.provenance record benchmarks/results/demo.txt -- scripts/demo.sh
+    python -m zerokit.provenance record benchmarks/results/underflow.txt -- python -m zerokit formats --underflow
 
 writes the provenance as `#` lines, then the command's output (stdout and stderr, progress
 bars reduced to their final state), and exits with the command's status.
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("show", help="print this checkout's provenance record")
     args = p.parse_args(argv)
     if args.action == "show":
-        print("\n".join(provenance_lines(provenance("python benchmarks/_results.py show"))))
+        print("\n".join(provenance_lines(provenance("python -m zerokit.provenance show"))))
         return 0
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
