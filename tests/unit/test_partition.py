@@ -104,7 +104,7 @@ def test_stage0_all_reduces_the_small_gpts_buckets_in_groups():
     into its group's buffer, back to back in bucket order (tests/distributed/test_stage0.py counts the collectives)."""
     import torch
     import zerokit as zk
-    from zerokit.commands.compare import _no_decay
+    from zerokit.bench import no_decay as _no_decay
     from zerokit.models import build_model
 
     model = build_model("small", seed=0)

@@ -25,8 +25,9 @@ shape of the ZeRO paper's figure 1, and logical bytes per step beside their form
 
 zerokit's step is `zerokit train`'s: `train_step` (commands/step.py: zero_grad, forward,
 backward, clip, step), without train's progress bar, checkpointing and LoRA switches; torch's
-DDP makes the same calls in torch's own API. `_timed_steps`, one loop for both, adds per-step
-timing and a communication delta.
+DDP (zerokit/bench.py's `torch_ddp`, with a byte-counting hook) makes the same calls in torch's own
+API. `_timed_steps`, one loop for both around zerokit/bench.py's `timed_step`, adds a communication
+delta per step.
 """
 from __future__ import annotations
 
@@ -37,14 +38,16 @@ import json
 import os
 import platform
 import socket
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from zerokit.bench import decay_groups, median_after, no_decay, timed_step, torch_ddp, unique_bytes
+from zerokit.provenance import git_commit
+
+CPU = torch.device("cpu")
 WARMUP_STEPS = 2
 MODEL_STATES = ("params", "grads", "master_params", "optimizer_states")
 LABELS = {"params": "params", "grads": "grads", "master_params": "fp32 master", "optimizer_states": "optimizer states"}
@@ -107,11 +110,6 @@ def available_stages(wanted: list[int]) -> tuple[list[int], dict[int, str]]:
 
 
 # ----------------------------------------------------------------------------- one rank
-def _no_decay(name: str, param: torch.nn.Parameter) -> dict:
-    """Biases, LayerNorms: no weight decay (as zerokit train does)."""
-    return {"weight_decay": 0.0} if param.dim() < 2 else {}
-
-
 def _timed_steps(cfg: dict, rank: int, world_size: int, train_one, comm_total, model) -> dict:
     """The shared loop: `train_one(x, y)` is one whole optimizer step and returns its loss.
 
@@ -124,22 +122,22 @@ def _timed_steps(cfg: dict, rank: int, world_size: int, train_one, comm_total, m
     block = model.cfg.block_size
     losses, times, activation_bytes = [], [], None
     comm_last = 0
+
+    def measured_first(x, y):  # activations on a warm-up step (the hooks cost time)
+        nonlocal activation_bytes
+        with ActivationMeter(exclude=model, use_cuda_allocator=False) as meter:
+            loss = train_one(x, y)  # autograd saves tensors in forward only, not in clip or step
+        activation_bytes = meter.peak_bytes
+        return loss
+
     for i in range(cfg["steps"]):
         x, y = corpus.batch(cfg["batch_size"], block, i, rank, world_size)
         before = comm_total()
-        start = time.perf_counter()
-        if i == 0:  # measure activations on a warm-up step (the hooks cost time)
-            with ActivationMeter(exclude=model, use_cuda_allocator=False) as meter:
-                loss = train_one(x, y)  # autograd saves tensors in forward only, not in clip or step
-            activation_bytes = meter.peak_bytes
-        else:
-            loss = train_one(x, y)
-        loss_value = float(loss.detach())  # a sync point; inside the timed region on purpose
-        times.append(1e3 * (time.perf_counter() - start))
+        ms, loss_value = timed_step(measured_first if i == 0 else train_one, lambda: None, x, y, CPU)
+        times.append(ms)
         comm_last = comm_total() - before
         losses.append(loss_value)
-    timed = times[min(WARMUP_STEPS, len(times) - 1):]
-    return {"losses": losses, "step_ms": times, "step_ms_median": statistics.median(timed),
+    return {"losses": losses, "step_ms": times, "step_ms_median": median_after(times, WARMUP_STEPS),
             "comm_bytes_per_step": comm_last, "activation_bytes": activation_bytes}
 
 
@@ -152,7 +150,7 @@ def _run_zerokit(rank: int, world_size: int, cfg: dict, stage: int) -> dict:
 
     model = build_model(cfg["model"], seed=cfg["seed"])
     engine = zk.shard(model, torch.optim.AdamW, stage=stage, precision=cfg["precision"], lr=cfg["lr"],
-                      weight_decay=0.1, bucket_numel=cfg["bucket_numel"], wrap=(Block,), param_groups=_no_decay)
+                      weight_decay=0.1, bucket_numel=cfg["bucket_numel"], wrap=(Block,), param_groups=no_decay)
 
     def train_one(x, y):
         return train_step(engine, [(x, y)], lambda batch: engine(*batch)[1],
@@ -172,28 +170,13 @@ def _run_zerokit(rank: int, world_size: int, cfg: dict, stage: int) -> dict:
 
 
 def _run_torch_ddp(rank: int, world_size: int, cfg: dict) -> dict:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from zerokit.core.estimate import activation_bytes_estimate, comm_bytes_per_step, estimate
     from zerokit.models import build_model
 
     model = build_model(cfg["model"], seed=cfg["seed"])
-    ddp = DDP(model, bucket_cap_mb=cfg["bucket_numel"] * 4 / 2**20)
-    sent = [0]
-
-    def counting_allreduce(state, bucket):
-        # torch's default hook (divide by N, all-reduce), counting ZeRO-style: 2B per all-reduce.
-        buf = bucket.buffer()
-        sent[0] += 2 * buf.numel() * buf.element_size()
-        buf.div_(world_size)
-        return dist.all_reduce(buf, async_op=True).get_future().then(lambda fut: fut.value()[0])
-
-    ddp.register_comm_hook(None, counting_allreduce)
+    ddp, sent = torch_ddp(model, cfg["bucket_numel"], count_comm=True)
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if not _no_decay("", p)]
-    groups = [{"params": decay}, {"params": [p for p in params if _no_decay("", p)], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=cfg["lr"], weight_decay=0.1)
+    opt = torch.optim.AdamW(decay_groups(model.named_parameters()), lr=cfg["lr"], weight_decay=0.1)
 
     def train_one(x, y):
         _, loss = ddp(x, y)
@@ -207,10 +190,10 @@ def _run_torch_ddp(rank: int, world_size: int, cfg: dict) -> dict:
     out = _timed_steps(cfg, rank, world_size, train_one, lambda: sent[0], model)
     psi = out["num_params"] = sum(p.numel() for p in model.parameters())
     measured = {
-        "params": _unique_bytes(model.parameters()),
-        "grads": _unique_bytes(p.grad for p in model.parameters() if p.grad is not None),
+        "params": unique_bytes(model.parameters()),
+        "grads": unique_bytes(p.grad for p in model.parameters() if p.grad is not None),
         "master_params": 0,
-        "optimizer_states": _unique_bytes(t for s in opt.state.values() for t in s.values()
+        "optimizer_states": unique_bytes(t for s in opt.state.values() for t in s.values()
                                           if torch.is_tensor(t) and t.dim() > 0),
         "comm_buffers": None,  # DDP's reducer buckets are not reachable through public API
         "activations": out["activation_bytes"],
@@ -226,16 +209,6 @@ def _run_torch_ddp(rank: int, world_size: int, cfg: dict) -> dict:
     out["name"], out["stage"] = "torch DDP", None
     return out
 
-
-
-def _unique_bytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        s = t.untyped_storage()
-        if (s.data_ptr(), s.nbytes()) not in seen:
-            seen.add((s.data_ptr(), s.nbytes()))
-            total += s.nbytes()
-    return total
 
 
 def _rel(measured: int | None, predicted: int | None) -> float | None:
@@ -286,21 +259,8 @@ def environment(cfg: dict | None = None) -> dict:
         "hostname": socket.gethostname(), "platform": platform.platform(), "processor": platform.processor(),
         "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "commit": _git_commit(),
+        "commit": git_commit(),
     }
-
-
-def _git_commit() -> str:
-    """HEAD of the checkout zerokit runs from, with "-dirty" if the tree differs; "unknown" outside git."""
-    repo = Path(__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("-dirty" if dirty else "")
 
 
 def _kb(n: int | None) -> str:

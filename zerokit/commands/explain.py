@@ -28,12 +28,8 @@ from typing import Any
 
 import torch
 
+from zerokit import bench
 from zerokit.core.estimate import OPTIMIZER_STATE_BYTES, PRECISIONS, bytes_per_param, estimate
-
-
-def _no_decay(name: str, param: torch.nn.Parameter) -> dict:
-    """The parameter groups `zerokit train` and `zerokit compare` use: no weight decay below 2-D."""
-    return {"weight_decay": 0.0} if param.dim() < 2 else {}
 
 
 def layout_report(model_name: str, world_size: int, stage: int, bucket_numel: int | None = None,
@@ -51,7 +47,7 @@ def layout_report(model_name: str, world_size: int, stage: int, bucket_numel: in
     kwargs = {} if bucket_numel is None else {"bucket_numel": bucket_numel}
     engine = zk.shard(model, torch.optim.AdamW, stage=stage, precision=precision, wrap=(Block,), lr=1e-3,
                       comm=zk.Comm(simulate=zk.Simulated(0, world_size)),
-                      param_groups=_no_decay if no_decay else None, **kwargs)
+                      param_groups=bench.no_decay if no_decay else None, **kwargs)
     unit_of = {}
     units = []
     for unit in getattr(engine, "units", None) or []:

@@ -72,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
     """One rank's training; returns its summary (losses, memory, throughput)."""
     import zerokit as zk
+    from zerokit import bench
     from zerokit.commands.step import train_step
     from zerokit.models import Block, CharCorpus, build_model
 
@@ -81,13 +82,10 @@ def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
     if cfg["lora"]:
         zk.lora.inject(model, targets=("q", "v"), rank=8, alpha=1.0)
 
-    def no_decay(name, param):  # biases, norms and embeddings' 1-D params: no weight decay
-        return {"weight_decay": 0.0} if param.dim() < 2 else {}
-
     engine = zk.shard(model, torch.optim.AdamW, stage=cfg["stage"], precision=cfg["precision"],
                       reduce_dtype=cfg.get("reduce_dtype"), lr=cfg["lr"], weight_decay=cfg["weight_decay"],
                       bucket_numel=cfg["bucket_numel"], wrap=(Block,), prefetch=cfg["prefetch"],
-                      param_groups=no_decay, reduction=cfg.get("reduction", "linear"),
+                      param_groups=bench.no_decay, reduction=cfg.get("reduction", "linear"),
                       shard_group_size=cfg.get("shard_group_size"))
     first_step = 0
     if cfg.get("resume"):
