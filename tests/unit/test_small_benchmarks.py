@@ -11,7 +11,6 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # spawned ranks inherit sys.path, so they can import them too
 
 import gather_cost  # noqa: E402
-import paired_steps  # noqa: E402
 import reduce_scatter_cost  # noqa: E402
 import stage0_phases  # noqa: E402
 import stage1_phases  # noqa: E402
@@ -165,21 +164,21 @@ def test_paired_steps_median_interval_is_the_binomial_order_statistics():
     2.5%: j = 6 at n = 20 (P(B <= 5) = 2.07%, P(B <= 6) = 5.77%), j = 40 at n = 100 (textbook tables); too few
     values (n = 5: P(B = 0) = 3.1% > 2.5%) give the whole range."""
     values = [float(v) for v in range(1, 21)]  # x_(k) == k
-    assert paired_steps.median_interval(values) == (6.0, 15.0)
-    assert paired_steps.median_interval([float(v) for v in range(100, 0, -1)]) == (40.0, 61.0)
-    assert paired_steps.median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0)
+    assert speed.median_interval(values) == (6.0, 15.0)
+    assert speed.median_interval([float(v) for v in range(100, 0, -1)]) == (40.0, 61.0)
+    assert speed.median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0)
 
 
 @pytest.mark.timeout(120)
 def test_paired_steps_times_each_stage_beside_its_peers_in_turns(tmp_path):
-    """2 ranks, tiny model, stages 0 and 3: a row per (stage, peer) from speed_vs_torch.py's peers (FSDP1 and
+    """2 ranks, tiny model, stages 0 and 3: a row per (stage, peer) from speed.py's peers (FSDP1 and
     FSDP2 beside stage 3), every pair timed, the losses bit for bit at 2 ranks, the table in the Markdown."""
     argv = ["--nproc", "2", "--model", "tiny", "--stages", "0", "3", "--steps", "6", "--warmup", "1",
             "--out", str(tmp_path / "ps")]
-    assert paired_steps.main(argv) == 0
+    assert speed.main(["--paired", *argv]) == 0
     record = json.loads((tmp_path / "ps.json").read_text())
     md = (tmp_path / "ps.md").read_text()
-    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/paired_steps.py " + " ".join(argv)
+    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/speed.py --paired " + " ".join(argv)
     assert [(r["stage"], r["peer"]) for r in record["rows"]] == [
         (0, "torch DDP"), (3, "torch FSDP1 FULL_SHARD"), (3, "torch FSDP2 fully_shard")]
     for r in record["rows"]:

@@ -1,4 +1,4 @@
-"""benchmarks/speed_vs_torch.py: a 2-step run writes a complete, honest JSON and tables."""
+"""benchmarks/speed.py: a 2-step run writes a complete, honest JSON and tables."""
 import ctypes
 import json
 import math
@@ -12,8 +12,8 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # spawned ranks inherit sys.path, so they can import it too
 
-import speed_vs_torch  # noqa: E402
-from speed_vs_torch import DDP, FSDP1_FULL, FSDP1_GRAD_OP, FSDP2, ZERO  # noqa: E402
+import speed  # noqa: E402
+from speed import DDP, FSDP1_FULL, FSDP1_GRAD_OP, FSDP2, ZERO  # noqa: E402
 
 # (stage, torch run, role), in the order of the pairs
 PAIRS = [(0, DDP, "peer"), (1, ZERO, "peer"), (2, FSDP1_GRAD_OP, "peer"), (2, DDP, "reference"),
@@ -25,13 +25,13 @@ def test_two_step_run_writes_every_pair_with_times_losses_and_bytes(tmp_path):
     """2 gloo ranks, tiny model, 2 timed steps and a 1-step allocator pass: every pair, every stage line, every byte."""
     argv = ["--nproc", "2", "--model", "tiny", "--steps", "2", "--warmup", "1", "--rounds", "1",
             "--memory-warmup", "1", "--memory-steps", "1", "--out", str(tmp_path)]
-    assert speed_vs_torch.main(argv) == 0
+    assert speed.main(argv) == 0
     record = json.loads((tmp_path / "speed_vs_torch_cpu.json").read_text())
     md = (tmp_path / "speed_vs_torch_cpu.md").read_text()
 
     prov = record["provenance"]  # benchmarks/_results.py's record: command, date, commit, machine, versions
     assert set(prov) == {"command", "date", "commit", "machine", "versions"}
-    assert prov["command"] == "python benchmarks/speed_vs_torch.py " + " ".join(argv)
+    assert prov["command"] == "python benchmarks/speed.py " + " ".join(argv)
     assert record["meta"]["command"].endswith(" ".join(argv))
     assert [(p["stage"], p["peer"], p["role"]) for p in record["pairs"]] == PAIRS
     ddp_states = record["runs"][DDP]["memory"][0]["optimizer_states"]
@@ -74,7 +74,7 @@ def test_two_step_run_writes_every_pair_with_times_losses_and_bytes(tmp_path):
         assert all(math.isfinite(v) for rank in run["losses"] for rnd in rank for v in rnd), name
         # the allocator pass: one measured step, two boundaries, on each of the 2 ranks
         alloc = run["allocator"]
-        assert alloc["method"] == speed_vs_torch.ALLOCATOR_CPU, alloc["method"]  # the all-threads counter
+        assert alloc["method"] == speed.ALLOCATOR_CPU, alloc["method"]  # the all-threads counter
         assert [(len(r["peak_step_bytes"]), len(r["between_steps_bytes"])) for r in alloc["per_rank"]] == [(1, 2)] * 2
     # between steps a replicated run holds its model states and little else: params + grads + Adam's
     # two states, 16 bytes/param (zerokit's flat buffers, DDP's bucket-view grads), counted by the allocator
@@ -101,7 +101,7 @@ def test_a_peer_that_fails_gets_its_error_in_the_table_and_no_number():
     per_rank = [{"zerokit stage 2": result(10.0, 90), FSDP1_GRAD_OP: result(12.0, 80), DDP: result(8.0, 70),
                  "zerokit stage 3": result(20.0, 50), FSDP1_FULL: [{"error": error}], FSDP2: result(25.0, 60)}
                 for _ in range(2)]
-    out = speed_vs_torch.summarize(per_rank, cfg)
+    out = speed.summarize(per_rank, cfg)
     grad_op, ddp, full, fsdp2 = out["pairs"]
     assert ddp["role"] == "reference" and ddp["ratio"] == pytest.approx(10.0 / 8.0)
     assert full["peer_error"] == error and full["peer_ms"] is None and full["ratio"] is None
@@ -112,11 +112,11 @@ def test_a_peer_that_fails_gets_its_error_in_the_table_and_no_number():
     assert two["lowest_peak_peer"] == FSDP1_GRAD_OP and two["peak_at_most_lowest_peer"] is False
     assert three["fastest_peer"] == FSDP2 and three["ratios"] == {FSDP1_FULL: None, FSDP2: pytest.approx(0.8)}
     assert three["zerokit_peak_step_bytes"] == 50 and three["peak_at_most_lowest_peer"] is True
-    rows = speed_vs_torch.table(out["pairs"])
+    rows = speed.table(out["pairs"])
     full_row = [cell.strip() for cell in rows[4].split("|")[1:-1]]
     assert full_row[:2] == ["zerokit stage 3", FSDP1_FULL] and full_row[2] == "20.0" and full_row[3:5] == ["-", "-"]
     assert rows[3].split("|")[2].strip() == "torch DDP (reference)"
-    summary = speed_vs_torch.stage_table(out["stages"])
+    summary = speed.stage_table(out["stages"])
     assert "| FSDP1 FULL_SHARD -, FSDP2 fully_shard 0.80 |" in summary[-1]
 
 
@@ -129,13 +129,13 @@ def test_ratio_by_round_is_each_rounds_own_ratio_and_the_summary_shows_its_sprea
     cfg = {"stages": [1], "batch_size": 2, "block_size": 4, "nproc": 2, "warmup": 1, "precision": "fp32"}
     per_rank = [{"zerokit stage 1": rounds(10.0, 12.0), ZERO: rounds(10.0, 10.0)},
                 {"zerokit stage 1": rounds(11.0, 9.0), ZERO: rounds(10.0, 12.0)}]
-    out = speed_vs_torch.summarize(per_rank, cfg)
+    out = speed.summarize(per_rank, cfg)
     (pair,) = out["pairs"]
     # rounds, slowest rank: zerokit 11 and 12, the peer 10 and 12; over all rounds each rank's median: 11 and 11
     assert pair["ratio_by_round"] == [pytest.approx(1.1), pytest.approx(1.0)]
     assert pair["ratio"] == pytest.approx(1.0)
     assert out["stages"][0]["ratio_by_round_vs_fastest"] == pair["ratio_by_round"]
-    assert "| 1.00 (1.00-1.10) |" in speed_vs_torch.stage_table(out["stages"])[-1]
+    assert "| 1.00 (1.00-1.10) |" in speed.stage_table(out["stages"])[-1]
 
 
 def test_cpu_allocator_pass_counts_a_free_made_on_another_thread():
@@ -143,16 +143,16 @@ def test_cpu_allocator_pass_counts_a_free_made_on_another_thread():
     from torch.profiler import ProfilerActivity, profile
 
     box = []
-    with speed_vs_torch._all_threads_counter() as all_threads, \
+    with speed._all_threads_counter() as all_threads, \
             profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        speed_vs_torch._probe(speed_vs_torch.BASE)
+        speed._probe(speed.BASE)
         box.append(torch.empty(1 << 18))  # 1 MiB, allocated here
-        speed_vs_torch._probe(speed_vs_torch.MARK)
+        speed._probe(speed.MARK)
         worker = threading.Thread(target=box.clear)  # and freed on another thread, as gloo's threads do
         worker.start()
         worker.join()
-        speed_vs_torch._probe(speed_vs_torch.MARK)
-    out = speed_vs_torch._allocator_from_profile(prof, all_threads)
+        speed._probe(speed.MARK)
+    out = speed._allocator_from_profile(prof, all_threads)
     assert all_threads, "libc10's FLAGS_caffe2_report_cpu_memory_usage not found"
     assert out["between_steps_bytes"] == [1 << 20, 0] and out["peak_step_bytes"] == [1 << 20]
     assert out["main_thread"]["between_steps_bytes"] == [1 << 20, 1 << 20]  # the free it never saw
@@ -165,12 +165,12 @@ def test_plain_peers_run_in_process_at_world_size_1_and_write_through_the_result
     """--peers plain: each stage beside plain torch in this process; fp32 at N=1 trains bit for bit like it."""
     argv = ["--peers", "plain", "--nproc", "1", "--model", "tiny", "--precision", "fp32", "--steps", "2",
             "--warmup", "1", "--rounds", "1", "--out", str(tmp_path)]
-    assert speed_vs_torch.main(argv) == 0
+    assert speed.main(argv) == 0
     record = json.loads((tmp_path / "speed_vs_torch_plain_cpu.json").read_text())
     md = (tmp_path / "speed_vs_torch_plain_cpu.md").read_text()
     prov = record["provenance"]  # benchmarks/_results.py's record: command, date, commit, machine, versions
     assert set(prov) == {"command", "date", "commit", "machine", "versions"}
-    assert prov["command"] == "python benchmarks/speed_vs_torch.py " + " ".join(argv)
+    assert prov["command"] == "python benchmarks/speed.py " + " ".join(argv)
     assert [(p["stage"], p["peer"]) for p in record["pairs"]] == [(s, "torch fp32") for s in range(4)]
     for pair in record["pairs"]:
         assert pair["ratio"] == pytest.approx(pair["zerokit_ms"] / pair["peer_ms"])
@@ -185,19 +185,19 @@ def test_plain_peers_run_in_process_at_world_size_1_and_write_through_the_result
 def test_plain_peers_under_bf16_are_autocast_and_bf16_params():
     """Under bf16 every stage gets two plain peers, each a pair of its own; the default peers are unchanged."""
     cfg = {"peers": "plain", "precision": "bf16"}
-    assert [p for p, _ in speed_vs_torch.peers_for(2, cfg)] == ["torch autocast bf16", "torch bf16 params"]
-    assert speed_vs_torch.peers_for(3, {"precision": "bf16"}) == speed_vs_torch.PEERS[3]
-    assert [p for p, _ in speed_vs_torch.PEERS[3]] == [FSDP1_FULL, FSDP2]
+    assert [p for p, _ in speed.peers_for(2, cfg)] == ["torch autocast bf16", "torch bf16 params"]
+    assert speed.peers_for(3, {"precision": "bf16"}) == speed.PEERS[3]
+    assert [p for p, _ in speed.PEERS[3]] == [FSDP1_FULL, FSDP2]
 
 
 def test_four_ranks_and_the_memory_options_parse():
     """--nproc 4 (the second target world size) and the allocator pass's options; the old CLI unchanged."""
-    args = speed_vs_torch.parse_args(["--nproc", "4", "--steps", "20", "--warmup", "5"])
+    args = speed.parse_args(["--nproc", "4", "--steps", "20", "--warmup", "5"])
     assert (args.nproc, args.memory_steps, args.memory_warmup, args.peers) == (4, 3, 2, "default")
-    assert speed_vs_torch.parse_args(["--memory-steps", "0"]).memory_steps == 0
+    assert speed.parse_args(["--memory-steps", "0"]).memory_steps == 0
     # one results file per target world size: 2 keeps its old name, 4 gets its own
-    names = [speed_vs_torch.results_name("default", "cpu", n) for n in (2, 4)]
+    names = [speed.results_name("default", "cpu", n) for n in (2, 4)]
     assert names == ["speed_vs_torch_cpu", "speed_vs_torch_cpu_n4"]
-    assert speed_vs_torch.results_name("plain", "cuda", 1) == "speed_vs_torch_plain_cuda"
+    assert speed.results_name("plain", "cuda", 1) == "speed_vs_torch_plain_cuda"
     with pytest.raises(SystemExit):
-        speed_vs_torch.parse_args(["--memory-steps", "-1"])
+        speed.parse_args(["--memory-steps", "-1"])

@@ -1,14 +1,14 @@
 """Step time and allocator bytes of zerokit's stages beside torch's DDP, ZeroRedundancyOptimizer, FSDP1 and FSDP2.
 
-    python benchmarks/speed_vs_torch.py                    # 2 gloo ranks, model small, 30 steps, fp32
-    python benchmarks/speed_vs_torch.py --nproc 2 --model small --steps 30 --warmup 5 --precision fp32
-    python benchmarks/speed_vs_torch.py --nproc 4 --model small --steps 20 --warmup 5 --precision fp32
+    python benchmarks/speed.py                    # 2 gloo ranks, model small, 30 steps, fp32
+    python benchmarks/speed.py --nproc 2 --model small --steps 30 --warmup 5 --precision fp32
+    python benchmarks/speed.py --nproc 4 --model small --steps 20 --warmup 5 --precision fp32
 
 docs/design.md ("Speed, from the first line") names torch's implementations as the yardstick. One
 spawn of `--nproc` ranks trains, in turn, each configuration below from the same initial
 weights (`build_model(seed)`) on the same batches (`CharCorpus.batch`), with the same AdamW
 hyperparameters (lr, betas, weight decay 0.1 on matrices and 0 on biases/LayerNorms), through
-one loop body (`_timed_steps`). Each zerokit stage is set beside its peers, every peer a run
+one loop body (`_timed_steps`, around zerokit/bench.py's `timed_step`). Each zerokit stage is set beside its peers, every peer a run
 (and a row) of its own:
 
     zerokit stage 0  vs  torch DDP (gradient_as_bucket_view=True: grads live in the all-reduce
@@ -89,7 +89,7 @@ other than 2 adds `_n<N>` to the name (`--nproc 4`: speed_vs_torch_cpu_n4.*), so
 target world sizes keep a results file each. Both through zerokit/provenance.py (`provenance`,
 `write_pair`): command, date, commit, machine, versions.
 
-    python benchmarks/speed_vs_torch.py --peers plain --nproc 1 --model gpt2-medium --precision bf16 \
+    python benchmarks/speed.py --peers plain --nproc 1 --model gpt2-medium --precision bf16 \
         --batch-size 8 --steps 15 --warmup 5 --rounds 2 --bucket-numel 4194304
 
 `--peers plain` (world size 1 only) compares every zerokit stage with plain torch on one device
@@ -108,7 +108,28 @@ its per-step overhead (hooks, flat buffers, the sharded optimizer's fp32 master 
 torch's own loop. The allocator pass is off by default there (`--memory-steps` turns it on),
 so that its runs take the time they always did. Results go to
 speed_vs_torch_plain_<cpu | cuda>.json and .md.
-"""
+
+Paired mode (`--paired`): zerokit beside a torch peer in paired, alternating steps.
+
+    python benchmarks/speed.py --paired                 # 2 gloo ranks, stages 0 and 1, 300 pairs
+    python benchmarks/speed.py --paired --nproc 2 --stages 0 1 2 3 --steps 300 --warmup 20
+
+The block mode above runs each engine for a block of steps, then its peer: on a busy machine
+the ratio of two such blocks moves with nothing changed (its "by round" spread), so a difference
+of a few percent cannot be read from it. Here each rank builds the zerokit stage
+and its peer once (the block mode's construction: the same weights, batches, AdamW with the
+decay / no-decay split, bucket size), keeps both alive, and runs them in turns: step i of one,
+then step i of the other, the order swapped at every pair, each on the same batch. A step is timed
+as the block mode times it (forward, backward, optimizer step, the peer's zero_grad, reading
+the loss), and a pair's figure is the slowest rank's. Each pair gives one ratio, zerokit's time over
+the peer's, taken a few milliseconds apart, so slow drift (a neighbour's load, clock changes)
+divides out. Reported: the median of the pair ratios with its distribution-free 95% confidence
+interval (order statistics of a binomial(n, 1/2)), the share of pairs zerokit won, the ratio of
+the two median step times, and the largest loss difference (0: bit for bit).
+
+The peers of each stage are the block mode's (`PEERS`; not the DDP reference beside stage 2).
+Both engines issue their collectives on the same gloo group, one step after the other, the same on
+every rank. Writes benchmarks/results/paired_steps.json and .md (command, date, commit, machine)."""
 from __future__ import annotations
 
 import argparse
@@ -116,6 +137,7 @@ import contextlib
 import copy
 import ctypes
 import gc
+import math
 import statistics
 import sys
 import time
@@ -127,7 +149,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from zerokit.commands.compare import _no_decay, _unique_bytes, available_stages, environment  # noqa: E402
+from zerokit.bench import decay_groups, no_decay, timed_step, torch_ddp, unique_bytes  # noqa: E402
+from zerokit.commands.compare import available_stages, environment  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
 from zerokit.provenance import command_line, git_commit, provenance, provenance_lines, write_pair  # noqa: E402
 
@@ -238,10 +261,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _torch_memory(params: list[torch.nn.Parameter], state: dict) -> dict[str, int]:
     """Bytes this rank holds for a torch peer, by zerokit's categories (fp32: no master copy)."""
     return {
-        "params": _unique_bytes(_local(p) for p in params),
-        "grads": _unique_bytes(_local(p.grad) for p in params if p.grad is not None),
+        "params": unique_bytes(_local(p) for p in params),
+        "grads": unique_bytes(_local(p.grad) for p in params if p.grad is not None),
         "master_params": 0,
-        "optimizer_states": _unique_bytes(_local(t) for s in state.values() for t in s.values()
+        "optimizer_states": unique_bytes(_local(t) for s in state.values() for t in s.values()
                                           if torch.is_tensor(t) and t.dim() > 0),
     }
 
@@ -252,20 +275,18 @@ def _clean(name: str) -> str:
 
 
 def _no_decay_names(model: torch.nn.Module) -> set[str]:
-    """zerokit's `param_groups=_no_decay` split (biases, LayerNorms), by name, taken before any wrapping."""
-    return {_clean(n) for n, p in model.named_parameters() if _no_decay(n, p)}
+    """zerokit's `param_groups=no_decay` split (biases, LayerNorms), by name, taken before any wrapping."""
+    return {_clean(n) for n, p in model.named_parameters() if no_decay(n, p)}
 
 
-def _param_groups(model: torch.nn.Module, no_decay: set[str] | None = None) -> list[dict]:
-    """The same decay / no-decay split as zerokit's `param_groups=_no_decay`, by the names in `no_decay`.
+def _param_groups(model: torch.nn.Module, no_decay_names: set[str] | None = None) -> list[dict]:
+    """zerokit/bench.py's `decay_groups` by the names in `no_decay_names` (default: the model's own).
 
     The names come from the unwrapped model: FSDP1's sharded parameters are 1-D views, so the
     split cannot be read from their shapes after wrapping.
     """
-    no_decay = _no_decay_names(model) if no_decay is None else no_decay
-    named = [(_clean(n), p) for n, p in model.named_parameters() if p.requires_grad]
-    return [{"params": [p for n, p in named if n not in no_decay]},
-            {"params": [p for n, p in named if n in no_decay], "weight_decay": 0.0}]
+    names = _no_decay_names(model) if no_decay_names is None else no_decay_names
+    return decay_groups(((_clean(n), p) for n, p in model.named_parameters()), names)
 
 
 def _batches(cfg: dict, rank: int, world_size: int, device: torch.device, n: int) -> list[tuple]:
@@ -304,28 +325,6 @@ def _timed_steps(cfg: dict, rank: int, world_size: int, device: torch.device,
         losses.append(loss_value)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return {"losses": losses, "step_ms": times, "peak_bytes": peak, "memory": held}
-
-
-def timed_step(train_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], zero_grad: Callable[[], None],
-               x: torch.Tensor, y: torch.Tensor, device: torch.device,
-               between: Callable[[], None] | None = None) -> tuple[float, float]:
-    """One step as every run here is timed: (milliseconds, loss). The optimizer step, then `zero_grad()`,
-    then reading the loss (a sync point on every device) are inside the timed region; `between()` runs
-    after the optimizer step and before zero_grad, its time taken out (benchmarks/paired_steps.py times
-    its pairs with this too)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    loss = train_step(x, y)
-    if between is not None:
-        pause = time.perf_counter()
-        between()  # not part of the step
-        start += time.perf_counter() - pause
-    zero_grad()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # the step's kernels, not just their launch
-    loss_value = float(loss.detach())  # a sync point on every device; inside the timed region
-    return 1e3 * (time.perf_counter() - start), loss_value
 
 
 @contextlib.contextmanager
@@ -502,7 +501,7 @@ def _zerokit(cfg: dict, device: torch.device, stage: int) -> Loop:
 
     model = _initial_model(cfg).to(device)
     engine = zk.shard(model, torch.optim.AdamW, stage=stage, precision=cfg["precision"], lr=cfg["lr"],
-                      weight_decay=0.1, bucket_numel=cfg["bucket_numel"], wrap=(Block,), param_groups=_no_decay,
+                      weight_decay=0.1, bucket_numel=cfg["bucket_numel"], wrap=(Block,), param_groups=no_decay,
                       ordered_reduction=ORDERED[cfg["reduction"]])
 
     def step(x, y):  # zerokit's one step, zero_grad first (commands/step.py): nothing left to end the step
@@ -514,13 +513,11 @@ def _zerokit(cfg: dict, device: torch.device, stage: int) -> Loop:
 def _torch_ddp(cfg: dict, device: torch.device, zero: bool) -> Loop:
     """torch DDP; with `zero`, ZeroRedundancyOptimizer over it (torch's documented ZeRO-1 recipe)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
 
     model = _initial_model(cfg).to(device)
     # gradient_as_bucket_view: grads live in the all-reduce buckets, as zerokit's live in its
     # flat buffers (no copy after the all-reduce); the bucket size is zerokit's.
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                  bucket_cap_mb=cfg["bucket_numel"] * 4 / 2**20, gradient_as_bucket_view=True)
+    ddp, _ = torch_ddp(model, cfg["bucket_numel"], device, gradient_as_bucket_view=True)
     groups = _param_groups(model)
     if zero:
         # parameters_as_bucket_view: one broadcast per bucket of params instead of one per
@@ -590,13 +587,13 @@ def _fsdp1(model: torch.nn.Module, device: torch.device, strategy: str) -> torch
 def _torch_fsdp(cfg: dict, world_size: int, device: torch.device, variant: str) -> Loop:
     """FSDP1 (SHARD_GRAD_OP or FULL_SHARD) or FSDP2 over the model, AdamW over its local shards."""
     model = _initial_model(cfg).to(device)
-    no_decay = _no_decay_names(model)
+    names = _no_decay_names(model)
     if variant == FSDP2:
         wrapped = _fsdp2(model, world_size, device)
     else:
         wrapped = _fsdp1(model, device, "SHARD_GRAD_OP" if variant == FSDP1_GRAD_OP else "FULL_SHARD")
     # parameters() after wrapping: FSDP2's are DTensor shards, FSDP1's views of its flat shards
-    opt = torch.optim.AdamW(_param_groups(wrapped, no_decay), lr=cfg["lr"], weight_decay=0.1, foreach=True)
+    opt = torch.optim.AdamW(_param_groups(wrapped, names), lr=cfg["lr"], weight_decay=0.1, foreach=True)
 
     def train_step(x, y):
         _, loss = wrapped(x, y)
@@ -852,6 +849,9 @@ def results_name(peers: str, device: str, nproc: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     from zerokit.models import preset
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--paired" in argv:
+        return paired_main(argv)
     args = parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and args.nproc > torch.cuda.device_count():
@@ -1023,6 +1023,134 @@ def allocator_note(record: dict) -> str:
                    "address is allocated again (benchmarks/cpu_frees.py shows the profiler missing such frees). These "
                    "are main-thread bytes, upper bounds as to frees on gloo's threads; the most bytes corrected by "
                    f"address reuse in one run's measured steps: {unseen:,} (`unseen_free_bytes` in the JSON).")
+
+
+# ----------------------------------------------------------------------------- --paired
+def pairs_of(stages: list[int]) -> list[tuple[int, str]]:
+    """(stage, peer) for every peer `PEERS` sets beside each stage, references left out."""
+    return [(stage, peer) for stage in stages for peer, _ in PEERS[stage] if (stage, peer) not in REFERENCES]
+
+
+def paired_rank(rank: int, world_size: int, cfg: dict) -> dict:
+    """For each (stage, peer): both built once, then `steps` pairs of steps in turns, the order swapped every pair.
+    Returns "stage|peer" -> {"zerokit": [ms], "peer": [ms], "zerokit_loss": [...], "peer_loss": [...]}."""
+    device = torch.device("cpu")
+    batches = _batches(cfg, rank, world_size, device, cfg["steps"])
+    out = {}
+    for stage, peer in pairs_of(cfg["stages"]):
+        loops = {"zerokit": _builder(f"zerokit stage {stage}", cfg, world_size, device)(),
+                 "peer": _builder(peer, cfg, world_size, device)()}
+        record = {"zerokit": [], "peer": [], "zerokit_loss": [], "peer_loss": []}
+        for i, (x, y) in enumerate(batches):
+            for name in (("zerokit", "peer") if i % 2 == 0 else ("peer", "zerokit")):
+                train_step, zero_grad, _ = loops[name]
+                ms, loss = timed_step(train_step, zero_grad, x, y, device)  # as the block mode times a step
+                record[name].append(ms)
+                record[f"{name}_loss"].append(loss)
+        out[f"{stage}|{peer}"] = record
+        del loops
+        gc.collect()
+    return out
+
+
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval for the median: the order statistics x_(j) and x_(n+1-j)
+    with j the largest index such that P(Binomial(n, 1/2) < j) <= (1 - level) / 2 (no assumption on the
+    distribution, no resampling)."""
+    xs = sorted(values)
+    n = len(xs)
+    tail, cumulative, j = (1 - level) / 2, 0.0, 0
+    while True:
+        p = math.comb(n, j) / 2 ** n  # P(Binomial(n, 1/2) == j)
+        if cumulative + p > tail:
+            break
+        cumulative += p
+        j += 1
+    if j == 0:  # too few pairs for this level: the whole range
+        return xs[0], xs[-1]
+    return xs[j - 1], xs[n - j]
+
+
+def paired_summarize(per_rank: list[dict], warmup: int) -> list[dict]:
+    rows = []
+    for key in per_rank[0]:
+        stage, peer = key.split("|")
+        zk = [max(rank[key]["zerokit"][i] for rank in per_rank) for i in range(len(per_rank[0][key]["zerokit"]))]
+        pe = [max(rank[key]["peer"][i] for rank in per_rank) for i in range(len(per_rank[0][key]["peer"]))]
+        zk, pe = zk[warmup:], pe[warmup:]
+        ratios = [a / b for a, b in zip(zk, pe)]
+        low, high = median_interval(ratios)
+        dloss = max(abs(a - b) for rank in per_rank
+                    for a, b in zip(rank[key]["zerokit_loss"], rank[key]["peer_loss"]))
+        rows.append({"stage": int(stage), "peer": peer, "pairs": len(ratios),
+                     "median_ratio": statistics.median(ratios), "ci95": [low, high],
+                     "zerokit_faster": sum(r < 1 for r in ratios) / len(ratios),
+                     "zerokit_ms": statistics.median(zk), "peer_ms": statistics.median(pe),
+                     "ratio_of_medians": statistics.median(zk) / statistics.median(pe), "max_abs_dloss": dloss})
+    return rows
+
+
+def paired_table(rows: list[dict]) -> list[str]:
+    lines = ["| zerokit | torch peer | pairs | median pair ratio (zk / peer) | 95% interval | zerokit faster in "
+             "| zerokit ms | peer ms | ratio of medians | max abs Δloss |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| stage {r['stage']} | {r['peer'].removeprefix('torch ')} | {r['pairs']} | "
+                     f"{r['median_ratio']:.3f} | {r['ci95'][0]:.3f}-{r['ci95'][1]:.3f} | "
+                     f"{100 * r['zerokit_faster']:.0f}% | {r['zerokit_ms']:.1f} | {r['peer_ms']:.1f} | "
+                     f"{r['ratio_of_medians']:.3f} | {r['max_abs_dloss']:.1e} |")
+    return lines
+
+
+def paired_main(argv: list[str]) -> int:
+    """--paired: see the module docstring's "Paired mode"."""
+    from zerokit.models import preset
+
+    p = argparse.ArgumentParser(description="zerokit beside a torch peer in paired, alternating steps")
+    p.add_argument("--paired", action="store_true", required=True, help="this mode")
+    p.add_argument("--nproc", type=int, default=2, help="gloo ranks (default 2)")
+    p.add_argument("--model", default="small", help="model preset (default small)")
+    p.add_argument("--stages", type=int, nargs="+", default=[0, 1], choices=[0, 1, 2, 3],
+                   help="zerokit stages, each beside its peers (default 0 1)")
+    p.add_argument("--steps", type=int, default=300, help="pairs of steps per stage and peer, warm-up included")
+    p.add_argument("--warmup", type=int, default=20, help="pairs left out at the start (default 20)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
+    p.add_argument("--bucket-numel", type=int, default=1 << 16, help="zerokit's bucket_numel and DDP's cap (x 4 bytes)")
+    p.add_argument("--timeout", type=float, default=1800, help="deadline for the spawn (s)")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "paired_steps",
+                   help="results path without extension (.json and .md are written)")
+    args = p.parse_args(argv)
+    if min(args.nproc, args.steps, args.batch_size) < 1 or not 0 <= args.warmup < args.steps:
+        p.error("--nproc, --steps, --batch-size must be >= 1 and 0 <= --warmup < --steps")
+    record = provenance(command_line(__file__, argv))
+    cfg = {"model": args.model, "seed": 0, "peers": "default", "precision": "fp32", "reduction": "default",
+           "batch_size": args.batch_size, "block_size": preset(args.model).block_size, "steps": args.steps,
+           "lr": 3e-3, "bucket_numel": args.bucket_numel, "stages": args.stages, "device": "cpu"}
+    start = time.perf_counter()
+    rows = paired_summarize(run_ranks(paired_rank, args.nproc, cfg, timeout_s=args.timeout), args.warmup)
+    result = {**record, "nproc": args.nproc, "config": cfg, "warmup": args.warmup,
+              "seconds": round(time.perf_counter() - start, 1), "rows": rows}
+    print("\n".join(paired_table(rows)))
+    write_pair(args.out, result, _paired_markdown(result))
+    return 0
+
+
+def _paired_markdown(r: dict) -> str:
+    c = r["config"]
+    return "\n".join([
+        "# zerokit beside its torch peers, step by step", "", *provenance_lines(r),
+        f"- {r['nproc']} gloo ranks, model {c['model']}, {c['batch_size']} x {c['block_size']} tokens per rank per "
+        f"step, fp32 AdamW (lr {c['lr']}, weight decay 0.1, none on biases/LayerNorms), bucket {c['bucket_numel']} "
+        f"elements; zerokit's default reduction (ordered on gloo); {c['steps']} pairs of steps per row, the first "
+        f"{r['warmup']} left out; {r['seconds']} s in all", "", *paired_table(r["rows"]), "",
+        "Both engines are built once per row and run in turns, one step each on the same batch, the order "
+        "swapped at every pair; a step is the slowest rank's time for forward, backward, optimizer step, the "
+        "peer's zero_grad and reading the loss (as benchmarks/speed.py times it). A pair's ratio is "
+        "zerokit's step over the peer's step beside it, so drift of the machine over seconds divides out; the "
+        "interval is the distribution-free 95% confidence interval of the median pair ratio (binomial order "
+        "statistics). An interval wholly below 1 says zerokit's step is the faster one on this machine; one "
+        "that straddles 1 says the two cannot be told apart here. Max abs Δloss: the largest difference of "
+        "the two engines' losses at the same step on any rank (0: bit for bit)."]) + "\n"
 
 
 if __name__ == "__main__":
