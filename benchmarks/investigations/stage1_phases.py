@@ -1,9 +1,9 @@
 """Where stage 1's step time goes beside torch's ZeroRedundancyOptimizer over DDP: phase by phase.
 
-    python benchmarks/stage1_phases.py                 # 2 gloo ranks, model small, bucket 65536, 4 rounds
-    python benchmarks/stage1_phases.py --nproc 2 --model small --steps 30 --warmup 5 --rounds 4 --bucket-numel 65536
+    python benchmarks/investigations/stage1_phases.py                 # 2 gloo ranks, model small, bucket 65536, 4 rounds
+    python benchmarks/investigations/stage1_phases.py --nproc 2 --model small --steps 30 --warmup 5 --rounds 4 --bucket-numel 65536
 
-The same runs as benchmarks/speed_vs_torch.py's stage 1 pair (same weights, batches, AdamW with
+The same runs as benchmarks/speed.py's stage 1 pair (same weights, batches, AdamW with
 the decay / no-decay split, bucket size; ZeroRedundancyOptimizer with `parameters_as_bucket_view`
 over DDP with `gradient_as_bucket_view`), timed phase by phase through stage0_phases.py's loop:
 zero_grad, the forward, the backward including the wait for its gradient collectives, and the
@@ -25,11 +25,12 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
-import speed_vs_torch as S  # noqa: E402  (the peers' construction, the data, the no-decay split)
+from zerokit.bench import no_decay  # noqa: E402
+import speed as S  # noqa: E402  (the peers' construction, the data, the no-decay split)
 import stage0_phases as P  # noqa: E402  (the phase-timing loop, the summary and the table)
 from zerokit.provenance import provenance_lines  # noqa: E402
 
@@ -60,7 +61,7 @@ def _build(name: str, cfg: dict):
             zero1.build_flat_params = functools.partial(_capped, build_flat_params)
         try:
             engine = zk.shard(model, torch.optim.AdamW, stage=1, lr=cfg["lr"], weight_decay=0.1,
-                              bucket_numel=cfg["bucket_numel"], wrap=(Block,), param_groups=S._no_decay)
+                              bucket_numel=cfg["bucket_numel"], wrap=(Block,), param_groups=no_decay)
         finally:
             zero1.build_flat_params = build_flat_params
         return (engine.zero_grad, lambda x, y: engine(x, y)[1], engine.backward, engine.step,
@@ -88,7 +89,7 @@ def _markdown(r: dict) -> str:
         f"left out; medians, slowest rank",
         "", *P.table(r["rows"], peer=ZERO, collectives=COLLECTIVES), "",
         "Each phase is timed on its own; \"sum\" adds the phases' medians, \"whole step\" is the median of each "
-        "step's four phases together (what speed_vs_torch.py times): the two differ where a phase varies. \"backward\" "
+        "step's four phases together (what benchmarks/speed.py times): the two differ where a phase varies. \"backward\" "
         "includes waiting for the gradient collectives: zerokit reduce-scatters each bucket as it is released (on "
         "gloo an all-to-all and a sum in rank order: core/comm.py [Note: ordered reduction]), torch's DDP "
         "all-reduces its buckets, which close once they reach the cap. Stage 1's buckets follow DDP's rule too (a "

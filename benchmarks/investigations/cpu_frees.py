@@ -1,7 +1,7 @@
 """Why torch.profiler's CPU "Total Allocated" at a step boundary varies between runs (issue 12).
 
-    python benchmarks/cpu_frees.py                         # 2 gloo ranks, model small, stages 0-3
-    python benchmarks/cpu_frees.py --stages 1 3 --steps 8
+    python benchmarks/investigations/cpu_frees.py                         # 2 gloo ranks, model small, stages 0-3
+    python benchmarks/investigations/cpu_frees.py --stages 1 3 --steps 8
 
 Two measurements:
 
@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import zerokit as zk  # noqa: E402
 from zerokit.commands.step import train_step  # noqa: E402

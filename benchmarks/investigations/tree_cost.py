@@ -1,7 +1,7 @@
 """What `reduction="tree"` costs: step time, clip time and memory beside the default reduction.
 
-    python benchmarks/tree_cost.py                         # 2 gloo ranks, 4 micro-batches each, model small
-    python benchmarks/tree_cost.py --nproc 2 --accumulate 4 --model small --steps 10 --warmup 2 --rounds 2
+    python benchmarks/investigations/tree_cost.py                         # 2 gloo ranks, 4 micro-batches each, model small
+    python benchmarks/investigations/tree_cost.py --nproc 2 --accumulate 4 --model small --steps 10 --warmup 2 --rounds 2
 
 The tree (core/tree.py [Note: world-size-independent bits]) changes three things in a step:
 each `no_sync()` micro-batch's gradient is added into pairwise partial sums (up to log2(k)
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import zerokit as zk  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402

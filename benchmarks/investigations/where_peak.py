@@ -1,9 +1,9 @@
 """What is live at a step's allocator peak, and at the step boundary after it, by the op that allocated it.
 
-`benchmarks/speed_vs_torch.py` says how many bytes a step peaks at; this says what they are. For each
-run (zerokit at a stage, or one of its torch peers, built exactly as speed_vs_torch builds them), on
+`benchmarks/speed.py` says how many bytes a step peaks at; this says what they are. For each
+run (zerokit at a stage, or one of its torch peers, built exactly as speed.py builds them), on
 rank 0: a few warm-up steps, then one measured step under `torch.profiler(profile_memory=True)` with
-c10's all-threads counter on (speed_vs_torch's `_all_threads_counter`). The peak is the highest
+c10's all-threads counter on (speed.py's `_all_threads_counter`). The peak is the highest
 "Total Allocated" the counter reports inside the step; the boundary is its value just after the
 step. Then every allocation this thread made and had not freed at that moment is grouped by the ops
 around it ("zerokit::all_gather > aten::empty", "autograd::engine::evaluate_function:
@@ -15,8 +15,8 @@ groups can sum to more than the counter (that difference is itself what
 zerokit/core/comm.py [Note: frees at a fixed point] is about). Used for the fixes listed in the
 docs/benchmarks.md (stage 3's grad shards and unit gathers, the step-boundary frees).
 
-    python benchmarks/where_peak.py                                   # zerokit stage 3 and FSDP2, 2 ranks
-    python benchmarks/where_peak.py --runs "zerokit stage 1" --repeat 4   # the boundary, run after run
+    python benchmarks/investigations/where_peak.py                                   # zerokit stage 3 and FSDP2, 2 ranks
+    python benchmarks/investigations/where_peak.py --runs "zerokit stage 1" --repeat 4   # the boundary, run after run
 """
 from __future__ import annotations
 
@@ -27,11 +27,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import speed_vs_torch as S  # noqa: E402  (benchmarks/speed_vs_torch.py: the runs and the counter)
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+import speed as S  # noqa: E402  (benchmarks/speed.py: the runs and the counter)
 from zerokit.provenance import command_line, provenance, provenance_lines, write_pair  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 TOP = 12  # groups listed per moment
 MEASURED = "zerokit.where_peak.measured"
 
@@ -39,7 +40,7 @@ MEASURED = "zerokit.where_peak.measured"
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", nargs="+", default=["zerokit stage 3", "torch FSDP2 fully_shard"],
-                   help="speed_vs_torch run names (default: 'zerokit stage 3' 'torch FSDP2 fully_shard')")
+                   help="speed.py run names (default: 'zerokit stage 3' 'torch FSDP2 fully_shard')")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--model", default="small")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
@@ -124,9 +125,9 @@ def markdown(record: dict) -> str:
     lines = ["# What is live at a step's peak and at the boundary after it (rank 0)", ""]
     lines += provenance_lines(record)
     lines += [f"- setup: {cfg['nproc']} gloo ranks, model `{cfg['model']}`, {cfg['precision']}, AdamW, built as "
-              f"benchmarks/speed_vs_torch.py builds each run; {record['warmup']} warm-up steps, then one measured",
+              f"benchmarks/speed.py builds each run; {record['warmup']} warm-up steps, then one measured",
               "- counter: c10's all-threads allocator total, counted from just before the run is built (as "
-              "speed_vs_torch counts), MB = 10^6 bytes; groups: this thread's live allocations by the ops around "
+              "speed.py counts), MB = 10^6 bytes; groups: this thread's live allocations by the ops around "
               "them (blocks freed on another thread still appear, so groups can sum to more)", ""]
     for run in record["runs"]:
         lines += [f"## {run['name']} (run {run['repeat'] + 1})", "",

@@ -1,7 +1,7 @@
 """What debug mode costs per training step: step time with and without `zk.shard(..., debug=True)`.
 
-    python benchmarks/debug_overhead.py                    # 2 gloo ranks, model small, stages 0-3
-    python benchmarks/debug_overhead.py --nproc 2 --model small --steps 20 --warmup 3 --rounds 3
+    python benchmarks/investigations/debug_overhead.py                    # 2 gloo ranks, model small, stages 0-3
+    python benchmarks/investigations/debug_overhead.py --nproc 2 --model small --steps 20 --warmup 3 --rounds 3
 
 Debug mode (core/comm.py [Note: debug mode]) adds, before every collective, one all-gather of a
 (2,) int64 fingerprint per rank, and one such check per optimizer step; nothing else changes (the
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import zerokit as zk  # noqa: E402
 from zerokit.commands.step import train_step  # noqa: E402

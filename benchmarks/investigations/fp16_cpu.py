@@ -1,7 +1,7 @@
 """Where fp16 training time goes on a CPU: zerokit beside plain torch, and torch's own kernels per dtype.
 
-    python benchmarks/fp16_cpu.py                          # model small, 8 x 64 tokens, one process
-    python benchmarks/fp16_cpu.py --model tiny --steps 6   # quicker
+    python benchmarks/investigations/fp16_cpu.py                          # model small, 8 x 64 tokens, one process
+    python benchmarks/investigations/fp16_cpu.py --model tiny --steps 6   # quicker
 
 fp16 trains several times slower than fp32 and bf16 on CPU. This asks whose time that is, in one
 process (world size 1, so no collective is involved):
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import zerokit as zk  # noqa: E402
 from zerokit.commands.step import train_step  # noqa: E402

@@ -1,7 +1,7 @@
 """What stage 3's per-step agreement costs (core/comm.py [Note: rank-dependent units]).
 
-    python benchmarks/agree_on_step_cost.py            # 2 gloo ranks, tiny GPT, 200 pairs of steps
-    python benchmarks/agree_on_step_cost.py --pairs 500
+    python benchmarks/investigations/agree_on_step_cost.py            # 2 gloo ranks, tiny GPT, 200 pairs of steps
+    python benchmarks/investigations/agree_on_step_cost.py --pairs 500
 
 Before each optimizer step after the first, stage 3 all-gathers every rank's collective count and a
 digest of the step's collectives (`Comm.agree_on_step`, one (2N,) int64 all-gather). Steps with and
@@ -23,7 +23,7 @@ import zerokit as zk
 from zerokit.launch import run_ranks
 from zerokit.models import Block, CharCorpus, build_model
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from zerokit.provenance import command_line, provenance, provenance_lines, write_pair  # noqa: E402
 

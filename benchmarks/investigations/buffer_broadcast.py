@@ -1,7 +1,7 @@
 """What `broadcast_buffers=True` (the default, as torch DDP's) costs per step: time and bytes.
 
-    python benchmarks/buffer_broadcast.py                  # 2 gloo ranks, GPT small and a ResNet-style CNN
-    python benchmarks/buffer_broadcast.py --nproc 2 --gpt small --cnn-width 32 --steps 20 --warmup 3 --stage 0
+    python benchmarks/investigations/buffer_broadcast.py                  # 2 gloo ranks, GPT small and a ResNet-style CNN
+    python benchmarks/investigations/buffer_broadcast.py --nproc 2 --gpt small --cnn-width 32 --steps 20 --warmup 3 --stage 0
 
 Before each `engine(...)` forward that DDP would sync, rank 0's buffers are broadcast, one collective
 per buffer dtype (core/model_guard.py [Note: buffers as DDP keeps them]). Two models: zerokit's GPT
@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import zerokit as zk  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402

@@ -1,13 +1,14 @@
 """Where stage 0's step time goes beside torch DDP's: forward, backward, step and zero_grad, and how many all-reduces.
 
-    python benchmarks/stage0_phases.py                 # 2 gloo ranks, model small, bucket 65536, 4 rounds
-    python benchmarks/stage0_phases.py --nproc 2 --model small --steps 30 --warmup 5 --rounds 4 --bucket-numel 65536
+    python benchmarks/investigations/stage0_phases.py                 # 2 gloo ranks, model small, bucket 65536, 4 rounds
+    python benchmarks/investigations/stage0_phases.py --nproc 2 --model small --steps 30 --warmup 5 --rounds 4 --bucket-numel 65536
 
-The same runs as benchmarks/speed_vs_torch.py's stage 0 pair (same weights, batches, AdamW with
-the decay / no-decay split, bucket size, DDP with `gradient_as_bucket_view=True`), plus zerokit
-stage 0 as it was before its all-reduce groups (stages/ddp.py [Note: all-reduce groups]): one
-all-reduce per bucket, by planning every group as a single bucket in this process (the only
-change; the buckets and everything else are the same). Each run is built afresh per round,
+The same runs as benchmarks/speed.py's stage 0 pair (same weights, batches, AdamW with
+the decay / no-decay split, bucket size, DDP with `gradient_as_bucket_view=True`). It measures
+the current code only: an earlier version also ran stage 0 with one all-reduce per bucket by
+patching zerokit's private grouping function; that arm is dropped (no public setting chooses the
+grouping: core/grad_reduce.py [Note: all-reduce groups]); its figures stay in
+benchmarks/results/stage0_phases.json from that run. Each run is built afresh per round,
 rounds alternate the order; each phase is timed on its own (`time.perf_counter` around
 zero_grad, the forward, the backward including the wait for its all-reduces, and the optimizer
 step); a phase's figure is the median over the steps after `--warmup`, then the median over
@@ -27,45 +28,31 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
-import speed_vs_torch as S  # noqa: E402  (the peers' construction, the data, the no-decay split)
+import speed as S  # noqa: E402  (the peers' construction, the data, the no-decay split)
+from zerokit.bench import no_decay, torch_ddp  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
 from zerokit.provenance import command_line, provenance, provenance_lines, write_pair  # noqa: E402
 
 PHASES = ("zero_grad", "forward", "backward", "step")
-PER_BUCKET = "zerokit stage 0, one all-reduce per bucket (before)"
-RUNS = ("zerokit stage 0", "torch DDP", PER_BUCKET)
-
-
-def _one_per_bucket(numels, keys, threshold):
-    """Stage 0's all-reduce groups as they were before them: every bucket a group of its own."""
-    return [[i] for i in range(len(numels))]
+RUNS = ("zerokit stage 0", "torch DDP")
 
 
 def _build(name: str, cfg: dict):
     """(zero_grad, forward -> loss, backward(loss), step, all-reduces per step or a function giving it)."""
     import zerokit as zk
-    from torch.nn.parallel import DistributedDataParallel
     from zerokit.models import Block
 
     model = S._initial_model(cfg)
     if name.startswith("zerokit"):
-        import zerokit.stages.ddp as ddp_stage
-
-        planned = ddp_stage.plan_all_reduce_groups
-        if name == PER_BUCKET:
-            ddp_stage.plan_all_reduce_groups = _one_per_bucket
-        try:
-            engine = zk.shard(model, torch.optim.AdamW, stage=0, lr=cfg["lr"], weight_decay=0.1,
-                              bucket_numel=cfg["bucket_numel"], wrap=(Block,), param_groups=S._no_decay)
-        finally:
-            ddp_stage.plan_all_reduce_groups = planned
+        engine = zk.shard(model, torch.optim.AdamW, stage=0, lr=cfg["lr"], weight_decay=0.1,
+                          bucket_numel=cfg["bucket_numel"], wrap=(Block,), param_groups=no_decay)
         return (engine.zero_grad, lambda x, y: engine(x, y)[1], engine.backward, engine.step,
                 lambda: len(engine.groups))
-    ddp = DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_numel"] * 4 / 2**20, gradient_as_bucket_view=True)
+    ddp, _ = torch_ddp(model, cfg["bucket_numel"], gradient_as_bucket_view=True)
     opt = torch.optim.AdamW(S._param_groups(model), lr=cfg["lr"], weight_decay=0.1, foreach=True)
     return (lambda: opt.zero_grad(set_to_none=False), lambda x, y: ddp(x, y)[1], lambda loss: loss.backward(),
             opt.step, lambda: ddp_all_reduces(ddp))
@@ -176,12 +163,12 @@ def _markdown(r: dict) -> str:
         f"{c['rounds']} rounds of {c['steps']} steps, the first {c['warmup']} of each left out; medians, slowest rank",
         "", *table(r["rows"]), "",
         "Each phase is timed on its own; \"sum\" adds the phases' medians, \"whole step\" is the median of each "
-        "step's four phases together (what speed_vs_torch.py times): the two differ where a phase varies. "
+        "step's four phases together (what benchmarks/speed.py times): the two differ where a phase varies. "
         "\"backward\" includes waiting for the step's all-reduces. DDP's buckets close once they reach the cap, so "
         "they hold a little more than it; zerokit's buckets never exceed it, and the decay / no-decay split puts "
-        "every bias and LayerNorm in a bucket of its own, so one all-reduce per bucket (the last run, as stage 0 "
-        "was before) makes more collectives than DDP. Stage 0 now all-reduces consecutive buckets together, a "
-        "group closing once it reaches the cap (DDP's rule applied to whole buckets: stages/ddp.py [Note: "
+        "every bias and LayerNorm in a bucket of its own, so one all-reduce per bucket would make more "
+        "collectives than DDP. Stage 0 all-reduces consecutive buckets together, a "
+        "group closing once it reaches the cap (DDP's rule applied to whole buckets: core/grad_reduce.py [Note: "
         "all-reduce groups]), so its collectives are fewer and larger than DDP's. zerokit's hooks are "
         "Python (two per parameter and backward: core/hooks.py), DDP's reducer is C++; zerokit's step is AdamW "
         "over its 10 flat buffers (torch's for-loop implementation, the CPU default), DDP's a foreach AdamW "

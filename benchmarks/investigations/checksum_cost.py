@@ -1,17 +1,18 @@
 """What checkpoint checksums cost per GB: hashing speed of the stdlib's strong hashes, and sha256 inside
 engine.save / engine.load.
 
-    python benchmarks/checksum_cost.py                     # 64M-parameter model, ~1 GB of checkpoint
-    python benchmarks/checksum_cost.py --params-millions 16 --repeats 2   # quicker
+    python benchmarks/investigations/checksum_cost.py                     # 64M-parameter model, ~1 GB of checkpoint
+    python benchmarks/investigations/checksum_cost.py --params-millions 16 --repeats 2   # quicker
 
 Two measurements, each warmed up once and then repeated (the median is reported):
 
 * in memory: GB/s of every strong hash in `hashlib` (and sha1 / md5, not collision-resistant, for
   scale) over one 256 MiB buffer: why zerokit uses sha256;
 * in a checkpoint: one process (world size 1, stage 0, AdamW after one step) saves and loads a
-  model of `--params-millions` fp32 parameters. The time spent in `zerokit.checkpoint._digest`
-  (read a file back and sha256 it) is measured inside the save (every file written) and the load
-  (every file read), and reported per GB of file bytes beside the whole save / load time.
+  model of `--params-millions` fp32 parameters; beside the whole save / load time, the time to read
+  back and sha256 every file of the checkpoint (what the save's and the load's digests do), per GB.
+  It measures the current code only: an earlier version timed the digest inside save / load by
+  patching zerokit's private digest function; benchmarks/results/checksum_cost.json holds that run.
 
 The files are hashed right after they are written, so they come from the page cache: the cost is
 the hash, not the disk. A cold load pays the disk once either way: the checksum pass reads the
@@ -33,12 +34,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import zerokit as zk  # noqa: E402
-from zerokit import checkpoint  # noqa: E402
 from zerokit.provenance import command_line, provenance, provenance_lines, write_pair  # noqa: E402
 
 STRONG = ["sha256", "blake2b", "blake2s", "sha512", "sha3_256"]
@@ -61,22 +61,17 @@ def hash_speeds(buffer_bytes: int, repeats: int) -> dict[str, float]:
     return out
 
 
-class _DigestTimer:
-    """Wraps checkpoint._digest: seconds and bytes hashed since the last reset."""
-
-    def __init__(self):
-        self.original = checkpoint._digest
-        self.seconds, self.bytes = 0.0, 0
-
-    def __call__(self, path):
-        t0 = time.perf_counter()
-        record = self.original(path)
-        self.seconds += time.perf_counter() - t0
-        self.bytes += record["bytes"]
-        return record
-
-    def reset(self):
-        self.seconds, self.bytes = 0.0, 0
+def _hash_files(directory: str) -> tuple[float, int]:
+    """Seconds and bytes to read back and sha256 every file under `directory`, as a checkpoint's digest does."""
+    t0, nbytes = time.perf_counter(), 0
+    for root, _, files in os.walk(directory):
+        for name in sorted(files):
+            h = hashlib.sha256()
+            with open(os.path.join(root, name), "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 22), b""):
+                    h.update(chunk)
+                    nbytes += len(chunk)
+    return time.perf_counter() - t0, nbytes
 
 
 def _model(params_millions: float) -> nn.Module:
@@ -93,20 +88,15 @@ def checkpoint_cost(params_millions: float, repeats: int, directory: str) -> dic
     engine = zk.shard(model, torch.optim.AdamW, stage=0, lr=1e-3)
     engine.backward(engine(torch.randn(2, 2048)).square().mean())
     engine.step()  # AdamW state exists: the rank file holds master, exp_avg, exp_avg_sq
-    timer = _DigestTimer()
-    checkpoint._digest = timer
     rows = {"save": [], "load": []}
-    try:
-        for i in range(repeats + 1):
-            for kind, fn in (("save", lambda: engine.save(directory)), ("load", lambda: engine.load(directory))):
-                timer.reset()
-                t0 = time.perf_counter()
-                fn()
-                total = time.perf_counter() - t0
-                if i > 0:  # the first round warms up
-                    rows[kind].append({"total_s": total, "digest_s": timer.seconds, "digest_bytes": timer.bytes})
-    finally:
-        checkpoint._digest = timer.original
+    for i in range(repeats + 1):
+        for kind, fn in (("save", lambda: engine.save(directory)), ("load", lambda: engine.load(directory))):
+            t0 = time.perf_counter()
+            fn()
+            total = time.perf_counter() - t0
+            digest_s, digest_bytes = _hash_files(directory)  # the same files, from the page cache
+            if i > 0:  # the first round warms up
+                rows[kind].append({"total_s": total, "digest_s": digest_s, "digest_bytes": digest_bytes})
     out = {"params": numel}
     for kind, runs in rows.items():
         total = statistics.median(r["total_s"] for r in runs)
