@@ -1,5 +1,5 @@
-"""benchmarks/gather_cost.py, reduce_scatter_cost.py, stage0_phases.py, stage1_phases.py, sweep.py, paired_steps.py and
-buffer_broadcast.py: a short run writes complete records and tables."""
+"""benchmarks/collectives.py (both modes), memory.py --sweep, speed.py --paired and investigations/stage0_phases.py,
+stage1_phases.py, buffer_broadcast.py: a short run writes complete records and tables."""
 import json
 import sys
 from pathlib import Path
@@ -7,14 +7,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from zerokit.bench import no_decay
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # spawned ranks inherit sys.path, so they can import them too
+sys.path.insert(0, str(BENCHMARKS / "investigations"))
 
-import gather_cost  # noqa: E402
-import reduce_scatter_cost  # noqa: E402
+import collectives  # noqa: E402
+import memory  # noqa: E402
+import speed  # noqa: E402
 import stage0_phases  # noqa: E402
 import stage1_phases  # noqa: E402
-import sweep  # noqa: E402
 
 PROVENANCE = {"command", "date", "commit", "machine", "versions"}
 
@@ -27,12 +30,12 @@ def test_gather_cost_times_every_way_and_counts_what_they_allocate(tmp_path):
     there only (at 3 ranks they are zerokit's way). Then three outputs at once."""
     argv = ["--nproc", "2", "3", "--numel", "100", "30000", "--calls", "3", "--rounds", "1",
             "--many", "600", "1200", "3000", "--out", str(tmp_path / "gc")]
-    assert gather_cost.main(argv) == 0
+    assert collectives.main(argv) == 0
     record = json.loads((tmp_path / "gc.json").read_text())
     md = (tmp_path / "gc.md").read_text()
-    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/gather_cost.py " + " ".join(argv)
+    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/collectives.py " + " ".join(argv)
     assert [(r["world_size"], r["numel"]) for r in record["rows"]] == [(2, 100), (2, 30000), (3, 99), (3, 30000)]
-    torch_way, zk_way, before = gather_cost.WAYS
+    torch_way, zk_way, before = collectives.WAYS
     for row in record["rows"]:
         assert row["output_bytes"] == 4 * row["numel"]
         assert row["ms"][torch_way] > 0 and row["ms"][zk_way] > 0
@@ -44,7 +47,7 @@ def test_gather_cost_times_every_way_and_counts_what_they_allocate(tmp_path):
     assert "| 3 | 30,000 |" in md and "(zerokit's way)" in md and record["commit"] in md
     # several outputs at once: zerokit's packed gather allocates its staging buffer (the outputs' bytes) and
     # nothing else, by all-to-all or by broadcasts; torch's coalesced one at least that and the concatenated inputs
-    torch_many, zk_many, before_many = gather_cost.MANY_WAYS
+    torch_many, zk_many, before_many = collectives.MANY_WAYS
     assert [(r["world_size"], r["outputs"], r["output_bytes"]) for r in record["many"]] == [(2, 3, 19200),
                                                                                            (3, 3, 19200)]
     for row in record["many"]:
@@ -61,14 +64,14 @@ def test_reduce_scatter_cost_times_three_ways_with_the_same_bits(tmp_path):
     """2 ranks, two sizes (the odd one rounded down to even): every way timed, their outputs equal bit for bit; the
     exchange of halves allocates half the N-row recipe's receive buffer in flight (B/2 against B, 4-byte elements)."""
     argv = ["--numel", "101", "30000", "--calls", "3", "--rounds", "1", "--out", str(tmp_path / "rs")]
-    assert reduce_scatter_cost.main(argv) == 0
+    assert collectives.main(["--reduce-scatter", *argv]) == 0
     record = json.loads((tmp_path / "rs.json").read_text())
     md = (tmp_path / "rs.md").read_text()
-    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/reduce_scatter_cost.py " + " ".join(argv)
+    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/collectives.py --reduce-scatter " + " ".join(argv)
     assert [r["numel"] for r in record["rows"]] == [100, 30000]
-    torch_way, rows_way, halves_way = reduce_scatter_cost.WAYS
+    torch_way, rows_way, halves_way = collectives.RS_WAYS
     for row in record["rows"]:
-        assert row["same_bits"] is True and all(row["ms"][way] > 0 for way in reduce_scatter_cost.WAYS)
+        assert row["same_bits"] is True and all(row["ms"][way] > 0 for way in collectives.RS_WAYS)
         assert row["halves_vs_rows"] == pytest.approx(row["ms"][halves_way] / row["ms"][rows_way])
         assert row["allocated"][rows_way] == row["input_bytes"] == 4 * row["numel"], row
         assert row["allocated"][halves_way] == row["input_bytes"] // 2, row
@@ -77,19 +80,25 @@ def test_reduce_scatter_cost_times_three_ways_with_the_same_bits(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_stage0_phases_counts_fewer_all_reduces_with_groups_than_per_bucket(tmp_path):
-    """2 ranks, tiny model, small buckets: three runs, every phase timed; zerokit's all-reduce groups make fewer
-    collectives than one per bucket (the run as stage 0 was before), DDP's count read from DDP itself; the
-    ratios are against DDP's sum."""
+    """2 ranks, tiny model, small buckets: zerokit stage 0 and DDP, every phase timed; zerokit's all-reduce groups
+    make fewer collectives than one per trainable bucket (counted on the same engine built here as rank 0 of 2),
+    DDP's count read from DDP itself; the ratios are against DDP's sum."""
+    import zerokit as zk
+    from zerokit.core.comm import Comm, Simulated
+    from zerokit.models import Block, build_model
+
     argv = ["--nproc", "2", "--model", "tiny", "--steps", "3", "--warmup", "1", "--rounds", "1",
             "--bucket-numel", "2000", "--out", str(tmp_path / "s0")]
     assert stage0_phases.main(argv) == 0
     record = json.loads((tmp_path / "s0.json").read_text())
     md = (tmp_path / "s0.md").read_text()
-    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/stage0_phases.py " + " ".join(argv)
+    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/investigations/stage0_phases.py " + " ".join(argv)
     rows = {r["run"]: r for r in record["rows"]}
     assert list(rows) == list(stage0_phases.RUNS)
-    grouped, ddp, per_bucket = (rows[name] for name in stage0_phases.RUNS)
-    assert 1 <= grouped["all_reduces"] < per_bucket["all_reduces"], rows
+    grouped, ddp = (rows[name] for name in stage0_phases.RUNS)
+    engine = zk.shard(build_model("tiny", seed=0), torch.optim.AdamW, stage=0, bucket_numel=2000, wrap=(Block,),
+                      param_groups=no_decay, comm=Comm(simulate=Simulated(0, 2)))
+    assert 1 <= grouped["all_reduces"] < len(engine.trainable), rows
     assert ddp["all_reduces"] >= 1
     for row in rows.values():
         assert set(row["ms"]) == set(stage0_phases.PHASES) and all(v > 0 for v in row["ms"].values())
@@ -112,13 +121,13 @@ def test_stage1_phases_times_stage1_beside_zero_redundancy_optimizer(tmp_path):
     assert stage1_phases.main(argv) == 0
     record = json.loads((tmp_path / "s1.json").read_text())
     md = (tmp_path / "s1.md").read_text()
-    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/stage1_phases.py " + " ".join(argv)
+    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/investigations/stage1_phases.py " + " ".join(argv)
     rows = {r["run"]: r for r in record["rows"]}
     assert list(rows) == list(stage1_phases.RUNS)
     zk_row, zero = rows[stage1_phases.ZK], rows[stage1_phases.ZERO]
     # the same model and buckets, built here as rank 0 of 2: its trainable buckets are the reduce-scatters
     engine = zk.shard(build_model("tiny", seed=0), torch.optim.AdamW, stage=1, bucket_numel=2000, wrap=(Block,),
-                      param_groups=stage1_phases.S._no_decay, comm=Comm(simulate=Simulated(0, 2)))
+                      param_groups=no_decay, comm=Comm(simulate=Simulated(0, 2)))
     assert zk_row["all_reduces"] == len(engine.trainable) > 1
     assert zero["all_reduces"] >= 1
     # capped buckets never exceed 2000 elements, so there are at least as many as when they close once full
@@ -139,22 +148,22 @@ def test_sweep_records_time_ledger_and_allocator_bytes_per_stage(tmp_path):
     N = 2 the stages' model states follow fp32 AdamW's 16, 8+8/N, 4+12/N, 16/N bytes per parameter, and stage 3 peaks
     lowest."""
     argv = ["--sizes", "1", "--world-sizes", "1", "2", "--steps", "1", "--warmup", "1", "--out", str(tmp_path / "sw")]
-    assert sweep.main(argv) == 0
+    assert memory.main(["--sweep", *argv]) == 0
     record = json.loads((tmp_path / "sw.json").read_text())
     md = (tmp_path / "sw.md").read_text()
-    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/sweep.py " + " ".join(argv)
+    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/memory.py --sweep " + " ".join(argv)
     rows = {(r["world_size"], r["stage"]): r for r in record["rows"]}
-    assert sorted(rows) == [(n, s) for n in (1, 2) for s in sweep.STAGES]
+    assert sorted(rows) == [(n, s) for n in (1, 2) for s in memory.STAGES]
     for row in rows.values():
         assert row["step_ms"] > 0 and row["activations"] > 0
         assert row["total"] == row["model_states"] + row["activations"]
         assert 0 <= row["after"] - row["model_states"] < 1024, row
         assert row["peak"] > row["after"], row
     psi = rows[(1, 0)]["params"]
-    assert [rows[(1, s)]["model_states"] for s in sweep.STAGES] == [16 * psi] * 4
-    per_param = [rows[(2, s)]["model_states"] / psi for s in sweep.STAGES]
+    assert [rows[(1, s)]["model_states"] for s in memory.STAGES] == [16 * psi] * 4
+    per_param = [rows[(2, s)]["model_states"] / psi for s in memory.STAGES]
     assert per_param == pytest.approx([16, 8 + 8 / 2, 4 + 12 / 2, 16 / 2], rel=0.01)  # shards padded to N
-    assert min(sweep.STAGES, key=lambda s: rows[(2, s)]["peak"]) == 3
+    assert min(memory.STAGES, key=lambda s: rows[(2, s)]["peak"]) == 3
     assert "| allocator peak MiB | live after the step MiB | peak vs stage 0 |" in md and record["commit"] in md
     assert (tmp_path / "sw.png").stat().st_size > 0
 
@@ -197,7 +206,7 @@ def test_buffer_broadcast_costs_nothing_without_buffers_and_counts_bytes_with(tm
             "--out", str(tmp_path / "bb")]
     assert buffer_broadcast.main(argv) == 0
     record = json.loads((tmp_path / "bb.json").read_text())
-    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/buffer_broadcast.py " + " ".join(argv)
+    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/investigations/buffer_broadcast.py " + " ".join(argv)
     gpt, cnn = record["rows"]
     assert gpt["buffers"] == 0 and gpt["with"]["collectives_per_step"] == 0 and gpt["with"]["bytes_per_step"] == 0
     assert cnn["with"]["collectives_per_step"] == 2 and cnn["with"]["bytes_per_step"] == cnn["buffer_bytes"] > 0

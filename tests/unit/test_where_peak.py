@@ -1,4 +1,4 @@
-"""benchmarks/where_peak.py: a short run writes the peak and boundary breakdowns, with numbers that add up."""
+"""benchmarks/investigations/where_peak.py: a short run writes the peak and boundary breakdowns, with numbers that add up."""
 import json
 import sys
 from pathlib import Path
@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS / "investigations"))
 sys.path.insert(0, str(BENCHMARKS))  # spawned ranks inherit sys.path, so they can import it too
 
 import where_peak  # noqa: E402
@@ -21,7 +22,7 @@ def test_stage3_beside_fsdp2_on_the_tiny_model(tmp_path):
     assert where_peak.main(argv) == 0
     record = json.loads(out.with_suffix(".json").read_text())
     md = out.with_suffix(".md").read_text()
-    assert record["command"] == "python benchmarks/where_peak.py " + " ".join(argv)
+    assert record["command"] == "python benchmarks/investigations/where_peak.py " + " ".join(argv)
     assert [run["name"] for run in record["runs"]] == ["zerokit stage 3", "torch FSDP2 fully_shard"]
     psi = sum(p.numel() for p in build_model("tiny", seed=0).parameters())
     formula = zk.estimate(psi, 2, 3, "fp32").total  # activations are 0 in an estimate
