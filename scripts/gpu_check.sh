@@ -11,15 +11,15 @@
 #   2 side stream  python -m pytest -q tests/gpu/test_zero3_side_stream.py        -> side_stream.xml
 #                  (stage 3's gathers on engine.gather_stream, poisoned and slowed so that a
 #                  missing event wait shows; runs again on its own so a hang in 1 cannot hide it)
-#   3 memory       benchmarks/memory_per_stage.py --device cuda --model gpt2-xl --world-sizes 8 64
+#   3 memory       benchmarks/memory.py --device cuda --model gpt2-xl --world-sizes 8 64
 #                  -> memory_per_stage_<gpu>_gpt2-xl.{json,md}: per stage, simulated rank 0 of 8
 #                  and of 64, bf16 + AdamW, 1 x 1024 tokens; ledger and allocator vs zk.estimate
-#   4 speed        benchmarks/speed_vs_torch.py --peers plain --nproc 1 --model gpt2-medium ...
+#   4 speed        benchmarks/speed.py --peers plain --nproc 1 --model gpt2-medium ...
 #                  -> speed_vs_torch_plain_cuda.{json,md}: each stage at world size 1, bf16,
 #                  against plain torch (autocast bf16; bf16 params), median of 10 steps x 2 rounds
 # Everything goes to one folder, at most 8 files: summary.md, log.txt (every step's output),
 # 2 junit XML, 2 results pairs (command, date, commit, machine and versions in each, through
-# benchmarks/_results.py). Exit status: 0 when every step passed, 3 without a CUDA torch, else 1.
+# zerokit/provenance.py). Exit status: 0 when every step passed, 3 without a CUDA torch, else 1.
 #
 # Installs nothing: it uses the first of $PYTHON, .venv/bin/python, python3, python whose torch
 # sees a GPU, and runs zerokit from this checkout (PYTHONPATH), so a CUDA torch already on the
@@ -234,10 +234,10 @@ run_step "2 stage-3 side stream" "$T_SIDE" "$PY" -m pytest -q -p no:cacheprovide
   --junitxml="$OUT_DIR/side_stream.xml" tests/gpu/test_zero3_side_stream.py
 add_pytest_row "$OUT_DIR/side_stream.xml"
 
-run_step "3 memory per stage" "$T_MEMORY" "$PY" benchmarks/memory_per_stage.py "${MEMORY_ARGS[@]}" --out "$OUT_DIR"
+run_step "3 memory per stage" "$T_MEMORY" "$PY" benchmarks/memory.py "${MEMORY_ARGS[@]}" --out "$OUT_DIR"
 ROWS+=("${LAST_ROW% |}; writes \`memory_per_stage_*_$([ "$DRY_RUN" = 1 ] && echo tiny || echo gpt2-xl).{json,md}\` |")
 
-run_step "4 step time vs plain torch" "$T_SPEED" "$PY" benchmarks/speed_vs_torch.py "${SPEED_ARGS[@]}" --out "$OUT_DIR"
+run_step "4 step time vs plain torch" "$T_SPEED" "$PY" benchmarks/speed.py "${SPEED_ARGS[@]}" --out "$OUT_DIR"
 ROWS+=("${LAST_ROW% |}; writes \`speed_vs_torch_plain_*.{json,md}\` |")
 
 # ---------------------------------------------------------------------------- summary
