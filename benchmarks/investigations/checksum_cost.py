@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import zerokit as zk  # noqa: E402
+from zerokit import checkpoint  # noqa: E402  (its HASH: the hash zerokit uses)
 from zerokit.provenance import command_line, provenance, provenance_lines, write_pair  # noqa: E402
 
 STRONG = ["sha256", "blake2b", "blake2s", "sha512", "sha3_256"]
