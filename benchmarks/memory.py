@@ -413,7 +413,7 @@ def device_main(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise SystemExit("memory_per_stage.py --device cuda: torch.cuda.is_available() is False here")
+            raise SystemExit("memory.py --device cuda: torch.cuda.is_available() is False here")
         device = torch.device("cuda", torch.cuda.current_device())
     prov = provenance(command_line(__file__))  # before the run: the code that produced the numbers
     stages, skipped = available_stages(sorted(set(args.stages)))
@@ -665,7 +665,7 @@ def _sweep_engine(size: int, stage: int):
 
 
 def _sweep_allocator_loop(size: int, stage: int):
-    """speed_vs_torch.py's Loop for its allocator pass: (train_step(x, y) -> loss, zero_grad, memory)."""
+    """speed.py's Loop for its allocator pass: (train_step(x, y) -> loss, zero_grad, memory)."""
     _, engine = _sweep_engine(size, stage)
 
     def step(x, y):  # zero_grad comes first inside train_step (commands/step.py)
@@ -805,7 +805,7 @@ def _sweep_markdown(r: dict) -> str:
     if alloc:
         lines.append(f"- allocator (sizes {', '.join(f'{s}M' for s in c['memory_sizes'])} nominal; '-' where it did "
                      f"not run): a fresh engine, {c['memory_warmup']} step(s), then one measured step under "
-                     "torch.profiler with every thread's allocations counted (speed_vs_torch.py's allocator pass); "
+                     "torch.profiler with every thread's allocations counted (speed.py's allocator pass); "
                      "bytes from just before the engine was built, the largest rank's")
     head = "| N | params | stage | step ms | model states MiB | activations MiB | ledger sum MiB |"
     rule = "|---|---:|---|---:|---:|---:|---:|"

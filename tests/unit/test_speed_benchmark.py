@@ -29,7 +29,7 @@ def test_two_step_run_writes_every_pair_with_times_losses_and_bytes(tmp_path):
     record = json.loads((tmp_path / "speed_vs_torch_cpu.json").read_text())
     md = (tmp_path / "speed_vs_torch_cpu.md").read_text()
 
-    prov = record["provenance"]  # benchmarks/_results.py's record: command, date, commit, machine, versions
+    prov = record["provenance"]  # zerokit/provenance.py's record: command, date, commit, machine, versions
     assert set(prov) == {"command", "date", "commit", "machine", "versions"}
     assert prov["command"] == "python benchmarks/speed.py " + " ".join(argv)
     assert record["meta"]["command"].endswith(" ".join(argv))
@@ -168,7 +168,7 @@ def test_plain_peers_run_in_process_at_world_size_1_and_write_through_the_result
     assert speed.main(argv) == 0
     record = json.loads((tmp_path / "speed_vs_torch_plain_cpu.json").read_text())
     md = (tmp_path / "speed_vs_torch_plain_cpu.md").read_text()
-    prov = record["provenance"]  # benchmarks/_results.py's record: command, date, commit, machine, versions
+    prov = record["provenance"]  # zerokit/provenance.py's record: command, date, commit, machine, versions
     assert set(prov) == {"command", "date", "commit", "machine", "versions"}
     assert prov["command"] == "python benchmarks/speed.py " + " ".join(argv)
     assert [(p["stage"], p["peer"]) for p in record["pairs"]] == [(s, "torch fp32") for s in range(4)]
