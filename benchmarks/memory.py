@@ -91,10 +91,8 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import platform
 import re
-import socket
 import statistics
 import sys
 import time
@@ -115,7 +113,8 @@ from zerokit.core.comm import Comm, Simulated  # noqa: E402
 from zerokit.core.ledger import ActivationMeter  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
 from zerokit.models import Block, CharCorpus, GPTConfig, build_model  # noqa: E402
-from zerokit.provenance import command_line, git_commit, provenance, provenance_lines, write_pair  # noqa: E402
+from zerokit.provenance import (command_line, git_commit, machine, provenance, provenance_lines,  # noqa: E402
+                                 versions, write_pair)  # noqa: E402
 
 MODEL_STATES = ("params", "grads", "master_params", "optimizer_states")
 COLUMNS = MODEL_STATES + ("comm_buffers", "activations")
@@ -154,16 +153,11 @@ def _real_rank(rank: int, world_size: int, jobs: list[tuple[int, str]], model_na
 
 
 def hardware() -> dict:
-    info = {"hostname": socket.gethostname(), "platform": platform.platform(), "processor": platform.processor(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        info["cpu_model"] = names[0] if names else None
-    except OSError:
-        info["cpu_model"] = None
-    return info
+    """The machine and versions (zerokit/provenance.py), under this results file's key names."""
+    m, v = machine(), versions()
+    return {"hostname": m["hostname"], "platform": m["platform"], "processor": platform.processor(),
+            "cpu_count": m["cpu_count"], "python": v["python"], "torch": v["torch"], "cuda_devices": m["gpus"],
+            "cpu_model": m["cpu_model"]}
 
 
 def row_text(r: dict) -> str:
@@ -562,14 +556,10 @@ def lora_table(rows: list[dict]) -> str:
 
 
 def lora_machine() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__}
+    """The machine and versions (zerokit/provenance.py), under the LoRA results file's key names."""
+    m, v = machine(), versions()
+    return {"cpu": m["cpu_model"] or "unknown", "cpu_count": m["cpu_count"], "platform": m["platform"],
+            "python": v["python"], "torch": v["torch"]}
 
 
 def lora_main(argv: list[str]) -> int:

@@ -35,9 +35,7 @@ import argparse
 import datetime
 import importlib
 import json
-import os
 import platform
-import socket
 import sys
 import time
 from pathlib import Path
@@ -45,7 +43,7 @@ from pathlib import Path
 import torch
 
 from zerokit.bench import decay_groups, median_after, no_decay, timed_step, torch_ddp, unique_bytes
-from zerokit.provenance import git_commit
+from zerokit.provenance import git_commit, machine, versions
 
 CPU = torch.device("cpu")
 WARMUP_STEPS = 2
@@ -251,14 +249,15 @@ def combine(per_rank: list[list[dict]], cfg: dict, skipped: dict[int, str]) -> d
 
 
 def environment(cfg: dict | None = None) -> dict:
-    """Hardware, versions, exact command and date, for every results file."""
+    """Hardware, versions, exact command and date, for every results file (zerokit/provenance.py's facts)."""
+    m, v = machine(), versions()
     return {
         "command": " ".join([Path(sys.executable).name, "-m", "zerokit"] + sys.argv[1:])
         if sys.argv and sys.argv[0].endswith(("__main__.py", "zerokit")) else " ".join(sys.argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "hostname": socket.gethostname(), "platform": platform.platform(), "processor": platform.processor(),
-        "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "hostname": m["hostname"], "platform": m["platform"], "processor": platform.processor(),
+        "cpu_count": m["cpu_count"], "python": v["python"], "torch": v["torch"],
+        "cuda": m["gpus"][0] if m["gpus"] else None,
         "commit": git_commit(),
     }
 
