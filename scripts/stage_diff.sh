@@ -34,7 +34,7 @@ for f in files:
     path = os.path.join(stages_dir, f)
     code[f] = code_lines(path)
     print(f"{f:<10} {len(open(path).read().splitlines()):>6} {len(code[f]):>6}")
-print(f"\n{'step':<18} {'changed code lines (added + removed)':>36}")
+print(f"\n{'step':<20} {'changed code lines (added + removed)':>36}")
 for a, b in zip(files, files[1:]):
     with tempfile.TemporaryDirectory() as tmp:  # GNU diff: the minimal edit
         for f in (a, b):
@@ -42,7 +42,7 @@ for a, b in zip(files, files[1:]):
                 out.write("\n".join(code[f]) + "\n")
         diff = subprocess.run(["diff", os.path.join(tmp, a), os.path.join(tmp, b)], capture_output=True, text=True).stdout
     changed = sum(1 for d in diff.splitlines() if d[:2] in ("< ", "> "))
-    print(f"{a + ' -> ' + b:<18} {changed:>36}")
+    print(f"{a + ' -> ' + b:<20} {changed:>36}")
 PY
     exit $?
 fi
