@@ -1,38 +1,10 @@
 """zerokit: ZeRO stages 0-3 (DDP, sharded optimizer states, sharded gradients, sharded
 parameters / FSDP) written from scratch on torch.distributed collectives.
 
-Glossary — one name per role, used everywhere in the code:
-
-  param         a module's parameter (an nn.Parameter; after wrapping, a view into flat_data; at
-                stage 3, while its unit is sharded, of a class that refuses reads: core/unit.py)
-  flat_param    several params stored back to back in one padded 1-D buffer of (padded_numel,)
-                elements, padded with zeros to a multiple of the world size N; which params
-                and where is its FlatParamLayout (engine.flat_params[i]: a layout, no storage)
-  flat_data     a flat_param's parameter storage, (padded_numel,); at stage 3 its storage is
-                0 bytes except while its unit is gathered
-  flat_grad     a flat_param's full-size gradient, (padded_numel,) (stages 2-3: only in backward)
-  param_shard   this rank's range of a flat_param: (padded_numel // N,)
-  grad_shard    the gradient averaged over ranks for exactly that range: (padded_numel // N,)
-  master_shard  the fp32 copy of param_shard the optimizer updates (a view of it under fp32)
-  bucket        a flat_param considered as one unit of gradient communication
-  reduction     one bucket's gradient on its way to being averaged (core/grad_reduce.py)
-  unit          (stage 3) a group of modules whose params are gathered and freed together
-  Ψ, N          parameter count, world size (ranks)
-
-Public API (stable names; the full contract is docs/design.md):
-
-  zk.init_distributed(backend=None, timeout_s=600)
-  engine = zk.shard(model, torch.optim.AdamW, stage=2, lr=3e-4, precision="bf16", ...)
-  loss = ...; engine.backward(loss); engine.clip_grad_norm_(1.0); engine.step(); engine.zero_grad()
-  engine.memory(), engine.comm_stats(), engine.state_dict(full=True), engine.loss_scale
-  engine.save(dir), engine.load(dir)       sharded checkpoints; load may change world size and stage
-  zk.shard(..., debug=True)                ranks whose collectives diverge fail at once, naming what each
-                                           was doing (also ZEROKIT_DEBUG=1); core/comm.py [Note: debug mode]
-  zk.shard(..., reduction="tree")          bits independent of the world size (core/tree.py)
-  zk.shard(..., shard_group_size=S)        hybrid: shard within nodes of S ranks, replicate across them
-                                           (core/hybrid.py); zk.hybrid_groups(S) builds the groups once
-  zk.estimate(num_params, world_size, stage, precision)   analytic bytes per rank
-  zk.lora.inject(model, targets=("q", "v"), rank=8, alpha=1.0)
+The public API (zk.init_distributed, zk.shard, zk.hybrid_groups, zk.estimate, zk.lora) with every
+option, and the glossary of tensor names (param, flat_param, flat_data, flat_grad, param_shard,
+grad_shard, master_shard, bucket, reduction, unit) used everywhere in the code: docs/design.md.
+A complete training loop: examples/train_loop.py.
 """
 from __future__ import annotations
 

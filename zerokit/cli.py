@@ -32,9 +32,9 @@ from typing import Any, Callable
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("zerokit.commands.train", "train the built-in small GPT on the built-in corpus at any ZeRO stage"),
     "compare": ("zerokit.commands.compare", "every stage on the same data: loss, memory, communication, time"),
-    "memory": ("zerokit.commands.memory", "per-rank memory by category for each stage (the lecture's table)"),
+    "memory": ("zerokit.commands.memory", "per-rank memory by category for each stage (the table of CS224N lecture 12)"),
     "timeline": ("zerokit.commands.timeline", "one training step's per-rank memory, by category, at every event"),
-    "plan": ("zerokit.commands.plan", "the lecture's decision flow, answered with bytes"),
+    "plan": ("zerokit.commands.plan", "CS224N lecture 12's decision flow, answered with bytes"),
     "explain": ("zerokit.commands.explain", "where each parameter lands: rank, offset, padding, buckets, units"),
     "formats": ("zerokit.commands.formats", "fp32 / fp16 / bf16 bit layouts and limits; --underflow measures gradients"),
 }
@@ -84,7 +84,7 @@ non_negative_int = int_in_range(0)
 non_negative_float = float_in_range(0.0)
 positive_float = float_in_range(0.0, low_open=True)
 
-# Decimal units first: they are what `auto` chooses from, matching the lecture's GB.
+# Decimal units first: they are what `auto` chooses from, matching the GB of CS224N lecture 12.
 UNITS: dict[str, int] = {
     "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
     "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,

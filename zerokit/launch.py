@@ -32,14 +32,13 @@ stops the gloo threads; only then does the process exit.
 
 [Note: starting ranks]
 A rank started with "spawn" is a fresh interpreter that imports torch and zerokit before it does
-anything: about 1 s of CPU per rank, 2.3 s for 2 ranks and 4.6 s for 4 on this 2-core machine,
-paid again by every `run_ranks` call (the test suite makes ~150). Ranks are therefore forked
+anything, and the cost grows with the number of ranks sharing the CPUs, paid again by every
+`run_ranks` call (the test suite makes ~150). Ranks are therefore forked
 from a forkserver: one process, started at the first `run_ranks`, that imports torch and
 zerokit once (`_PRELOAD`) and forks a rank per request. The preload also holds what every rank
 would otherwise import by itself later: torch._dynamo, which the first torch optimizer a rank
-builds imports (`Optimizer.add_param_group` is wrapped by `torch._disable_dynamo`), 2.4 s of CPU
-with sympy and DTensor's op tables, in every rank (without it, tests/distributed/test_zero12.py and
-test_user_loops.py took 84 s, with it 53 s); and zerokit's stage modules, which `zk.shard` imports
+builds imports (`Optimizer.add_param_group` is wrapped by `torch._disable_dynamo`), a heavy
+import with sympy and DTensor's op tables; and zerokit's stage modules, which `zk.shard` imports
 when it picks one. The forkserver starts before any process group, thread pool or CUDA context
 exists (importing these creates none), so a rank is as clean as a
 spawned one; each rank then takes the caller's current environment (`os.environ` as the
@@ -81,7 +80,7 @@ Python teardown anyway. A caller already gone when the rank starts is caught by 
 When one rank fails, the others fail moments later inside a collective, and their errors are
 knock-on effects: the peer-reset texts of gloo ("Connection closed by peer", "Connection reset by
 peer", ...) and, under TORCH_DISTRIBUTED_DEBUG=DETAIL, the monitored barrier's ("Ranks 2 failed to
-pass monitoredBarrier in 600000 ms" appears within seconds of rank 2 raising or dying: it quotes the
+pass monitoredBarrier in <timeout> ms" appears within seconds of rank 2 raising or dying: it quotes the
 configured timeout, not a wait; "received errors while waiting for send/recv from rank 0" names the
 rank that ran the barrier, not the one that failed). A rank killed by a signal or that exits without
 a report sends nothing, and its exit code is seen only by polling. So, at the first failure seen (an
@@ -120,7 +119,7 @@ import torch.distributed.nn  # noqa: F401 -- before any group exists: see [Note:
 import torch.multiprocessing as mp
 
 EXIT_GRACE_S = 60.0  # after every rank returned: how long they get to exit before they are killed
-STOP_GRACE_S = 15.0  # after a failure or Ctrl-C: how long ranks get to tear down (about 2 s) before they are killed
+STOP_GRACE_S = 15.0  # after a failure or Ctrl-C: how long ranks get to tear down before they are killed
 STACKS_SIGNAL = signal.SIGUSR1  # a rank prints every thread's Python stack to stderr on it
 STACKS_WAIT_S = 1.0  # how long the parent gives them to print
 FAILURE_GRACE_S = 2.0  # after the first failure: how long the other ranks' reports and exits are collected

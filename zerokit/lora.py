@@ -1,6 +1,6 @@
 """LoRA: low-rank adaptation of a frozen pretrained model.
 
-The idea (Hu et al., 2021, as the lecture presents it). Fine-tuning changes a pretrained weight
+The idea (Hu et al., 2021, as CS224N lecture 12 presents it). Fine-tuning changes a pretrained weight
 W (d x k) by some ΔW. LoRA bets that the useful ΔW has low rank and writes it as a product
 
     W_new = W + α · B · A,      B: (d, r),  A: (r, k),  r ≪ min(d, k)

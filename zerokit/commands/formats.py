@@ -1,4 +1,4 @@
-"""`zerokit formats`: the lecture's number-format lesson, computed from the bits instead of quoted.
+"""`zerokit formats`: CS224N lecture 12's number formats, computed from the bits instead of quoted.
 
 A float is sign * 2^(exponent - bias) * 1.mantissa. With 16 bits there is a trade: fp16 spends
 5 bits on the exponent and 10 on the mantissa, bf16 8 and 7. Exponent bits buy range (how
@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from zerokit.core.nest import tensors_in
 
 FORMATS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # The integer type a float's bits are viewed as, by width.
@@ -238,7 +240,7 @@ class ActivationGradRecorder:
     def _on_forward(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
         if not self.active:
             return
-        for t in _tensors_in(output):
+        for t in tensors_in(output):
             # Skip the scalar loss: its gradient is the constant 1.
             if t.requires_grad and t.is_floating_point() and t.numel() > 1 and id(t) not in self._seen:
                 self._seen[id(t)] = t
@@ -259,14 +261,6 @@ class ActivationGradRecorder:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-
-
-def _tensors_in(output: Any) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for item in output for t in _tensors_in(item)]
-    return []
 
 
 def _fractions(counts: dict[str, int]) -> dict[str, float]:
@@ -410,7 +404,7 @@ def _print_tables(values: list[float]) -> bool:
             err = "" if d["relative_error"] is None else f"  rel. error {d['relative_error']:.2g}"
             print(f"  {name:5} {d['sign']} {d['exponent_bits']:>8} {d['mantissa_bits']:<23} -> {d['value']!r:<24} "
                   f"{d['kind']}{err}")
-    print("\nThe lecture's claims, checked against the bits:")
+    print("\nCS224N lecture 12's claims, checked against the bits:")
     all_hold = True
     for c in lecture_checks():
         all_hold &= c["holds"]
@@ -431,7 +425,7 @@ def _print_underflow(result: dict[str, Any]) -> None:
               + "  ".join(f"{result['total'][key][k]:15.2%}" for k in FP16_CATEGORIES))
     frac = result["unscaled_flushed_fraction_of_nonzero"]
     verdict = "holds" if result["lecture_claim_holds_here"] else "does NOT hold"
-    print(f"\nLecture: '{result['lecture_claim']}'. Here {frac:.1%} of the nonzero activation gradients flush to "
+    print(f"\nCS224N lecture 12: '{result['lecture_claim']}'. Here {frac:.1%} of the nonzero activation gradients flush to "
           f"zero without scaling, so the claim {verdict} for this model (the lecture's figure comes from a "
           f"different, larger network; the fraction depends on the model, the batch and the loss reduction).")
     print(f"Without scaling another {result['total']['unscaled']['subnormal']:.1%} land in fp16's subnormal range, "

@@ -1,4 +1,4 @@
-"""`zerokit memory`: the lecture's table of per-rank model-state memory, one row per ZeRO stage.
+"""`zerokit memory`: the table (from CS224N lecture 12) of per-rank model-state memory, one row per ZeRO stage.
 
     zerokit memory --params 7.5e9 --world-size 64
 
@@ -148,7 +148,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default="adam",
                         help="decides the optimizer-state bytes per parameter (default adam)")
     parser.add_argument("--unit", choices=("auto",) + tuple(UNITS), default="auto",
-                        help="unit of the table; auto picks a decimal unit (GB for the lecture's example)")
+                        help="unit of the table; auto picks a decimal unit (GB for CS224N lecture 12's example)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the table, in bytes, as JSON")
     parser.add_argument("--simulate", action="store_true",
                         help="measure instead: this process builds --model and plays rank 0 of --world-size "

@@ -1,4 +1,4 @@
-"""`zerokit plan`: the lecture's "what should I use" decision flow, answered with bytes.
+"""`zerokit plan`: CS224N lecture 12's "what should I use" decision flow, answered with bytes.
 
 The flow (lecture, last slide), cheapest remedy first:
 
@@ -6,7 +6,7 @@ The flow (lecture, last slide), cheapest remedy first:
    with a dynamic loss scaler. Both cost 2 + 2 + 12 = 16 bytes of model state per parameter.
 2. Try batch size 1 with ZeRO stage 2, which is free (same communication as DDP). If it fits,
    use it and grow the batch until memory runs out.
-3. If not, ZeRO stage 3 / FSDP (1.5x DDP's communication), then activation checkpointing
+3. If not, ZeRO stage 3 / FSDP (3Ψ of communication per step against DDP's 2Ψ), then activation checkpointing
    (recompute each block in backward: more compute, far fewer saved activations).
 4. If even that fails, LoRA: freeze the base, adapt q and v with r = 8, α = 1. Frozen weights
    cost 2 bytes each; only the adapters carry grads, fp32 masters and Adam states.
@@ -376,7 +376,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-bf16", action="store_true",
                         help="the GPU has no bf16 (pre-Ampere): fp16 with a loss scaler")
     parser.add_argument("--batch-size", type=positive_int, default=1, metavar="B",
-                        help="per-GPU batch the checks are made at (default 1, as the lecture says)")
+                        help="per-GPU batch the checks are made at (default 1, as CS224N lecture 12 says)")
     parser.add_argument("--seq-len", type=positive_int, metavar="S",
                         help=f"tokens per sequence (default: the model's block_size, else {DEFAULT_SEQ_LEN})")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the plan as JSON")

@@ -18,13 +18,13 @@ from typing import Callable
 import torch
 from torch import nn
 
+from zerokit.core.flat_param import ParamGroupFn
 from zerokit.core.tree import REDUCTIONS
 
-DEFAULT_BUCKET_NUMEL = 1 << 22  # 4 Mi elements: 16 MiB of fp32 gradient per bucket
+DEFAULT_BUCKET_NUMEL = 1 << 22  # 4 Mi elements per bucket (4 bytes per element in fp32)
 ACCUMULATE_POLICIES = ("reduce_scatter", "local")
 
 WrapPolicy = tuple | type | Callable[[nn.Module], bool] | None
-ParamGroupFn = Callable[[str, nn.Parameter], dict]
 
 
 @dataclass(frozen=True)

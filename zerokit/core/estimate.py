@@ -10,7 +10,7 @@
     master_params      0  (params ARE fp32)     4  (fp32 copy the optimizer updates)
     optimizer_states   Adam 8 (m, v in fp32), SGD with momentum 4, plain SGD 0 — in both
 
-so mixed-precision Adam costs the lecture's 2 + 2 + 12 = 16 bytes per parameter. ZeRO stage k
+so mixed-precision Adam costs the 2 + 2 + 12 = 16 bytes per parameter. ZeRO stage k
 shards one more category than stage k - 1 across the N ranks:
 
     stage  sharded                          bytes per rank (mixed, Adam)
@@ -20,7 +20,7 @@ shards one more category than stage k - 1 across the N ranks:
     3      + params                         16Ψ/N         (+ the working set, see below)
 
 For Ψ = 7.5e9, N = 64 that is 120 / 31.4 / 16.6 / 1.9 GB (GB = 10^9 bytes, as the ZeRO paper
-and the lecture count).
+and CS224N lecture 12 count).
 
 Up to padding. A sharded category lives in a flat buffer padded with zeros to a multiple of N
 (core/partition.py), so a rank holds ceil(Ψ/N) elements of it, not Ψ/N. `estimate` uses that
@@ -60,7 +60,7 @@ per step:
 
 The hybrid rank puts 0.75 / 9.0 = 1/12 of flat stage 3's bytes on the links between nodes
 (2·ceil(Ψ/S)·g against 3Ψg: about 2/(3S) in general), for twice the model-state memory. How much
-of the flat run's 9.0 GB really crosses nodes depends on the collective's algorithm: in a ring
+of the flat run's bytes really crosses nodes depends on the collective's algorithm: in a ring
 laid out node by node every link, those between nodes included, carries (N - 1)/N of what each
 rank sends; hierarchical or tree algorithms send less over them. Counting all of it as crossing
 is therefore an upper bound, which `zerokit plan` states as "at most".

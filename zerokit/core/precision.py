@@ -1,6 +1,6 @@
 """Mixed precision: which dtype each kind of tensor lives in, and the fp16 loss scaler.
 
-The lecture's recipe (Micikevicius et al. 2018) in zerokit's vocabulary:
+The recipe CS224N lecture 12 teaches (Micikevicius et al. 2018) in zerokit's vocabulary:
 
 1. `param` (the working copy the model computes with) lives in `param_dtype`: fp32, bf16 or fp16.
 2. Gradients come out of backward in `param_dtype` and are reduced across ranks in

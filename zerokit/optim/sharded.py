@@ -73,12 +73,6 @@ class ShardedOptimizer:
         except TypeError as exc:
             raise TypeError(f"could not build {optimizer_cls.__name__} with {optimizer_kwargs}: {exc}") from exc
 
-    def set_master_from_params(self) -> None:
-        """Re-seed master shards from the param shards (after loading weights)."""
-        if self.policy.needs_master:
-            for m, p in zip(self.master_shards, self.param_shards):
-                m.copy_(p)
-
     def found_overflow(self, grad_shards: list[torch.Tensor]) -> bool:
         """Phase 1: every rank learns whether any rank's gradient holds inf/nan. A CPU sync point."""
         local = has_inf_or_nan(grad_shards)
