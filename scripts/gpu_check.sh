@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU tier (issue 12) in one run on one CUDA GPU, written for an NVIDIA H200 and 8 minutes.
+# The GPU tier in one run on one CUDA GPU, written for an NVIDIA H200 and 8 minutes.
 #
 #   scripts/gpu_check.sh [OUT_DIR]            # OUT_DIR: else $OUT, else benchmarks/results/gpu/
 #   scripts/gpu_check.sh --dry-run [OUT_DIR]  # CPU, tiny models: checks the script, measures nothing

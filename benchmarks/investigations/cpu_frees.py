@@ -1,4 +1,4 @@
-"""Why torch.profiler's CPU "Total Allocated" at a step boundary varies between runs (issue 12).
+"""Why torch.profiler's CPU "Total Allocated" at a step boundary varies between runs.
 
     python benchmarks/investigations/cpu_frees.py                         # 2 gloo ranks, model small, stages 0-3
     python benchmarks/investigations/cpu_frees.py --stages 1 3 --steps 8
