@@ -5,7 +5,7 @@ saves, trains M more; a fresh engine (built from a different seed, so loading mu
 overwrite everything) loads the checkpoint and trains the same M steps. The same spawn
 loads stage 3's checkpoint at stage 1 and stage 0's at stage 2, checks the error paths and
 runs `zerokit train --save/--resume`. A second 2-rank spawn saves runs with and without a no-decay
-param group and loads each into engines with other groups or values (checkpoint.py
+param group and loads each into engines with other groups or values (zerokit/checkpoint/loading.py
 [Note: hyperparameters]). At world size 3 the stage-3 checkpoint written by 2 ranks is loaded
 at stages 1 and 3, and the param-group checkpoints too.
 

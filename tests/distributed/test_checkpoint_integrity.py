@@ -28,8 +28,7 @@ from torch import nn
 import zerokit as zk
 from common import DIM, VOCAB, odd_batch, odd_model
 from test_checkpoint import _equal_dicts, _expect_error, _full_optimizer_state, _params
-from zerokit import checkpoint
-from zerokit.checkpoint import POINTER_FILE, committed_snapshot
+from zerokit.checkpoint import POINTER_FILE, commit, committed_snapshot
 from zerokit.commands.step import train_step
 from zerokit.launch import RankFailed, run_ranks
 
@@ -179,7 +178,7 @@ def _fail_after_others_wrote(rank, world_size, failing_rank, markers, action):
     is the model file); `failing_rank` waits for all of them, then calls `action` (raise, or os._exit) instead of
     writing its rank file."""
     others = [f"wrote-{r}" for r in range(world_size) if r != failing_rank]
-    write_rank, write_model = checkpoint._write_rank_file, checkpoint._write_model_file
+    write_rank, write_model = commit._write_rank_file, commit._write_model_file
 
     def rank_file(*args, **kwargs):
         if rank == failing_rank:
@@ -195,8 +194,8 @@ def _fail_after_others_wrote(rank, world_size, failing_rank, markers, action):
         markers.signal("wrote-0")
         return record
 
-    return [mock.patch.object(checkpoint, "_write_rank_file", rank_file),
-            mock.patch.object(checkpoint, "_write_model_file", model_file)]
+    return [mock.patch.object(commit, "_write_rank_file", rank_file),
+            mock.patch.object(commit, "_write_model_file", model_file)]
 
 
 def _save_with(patches, engine, directory, **kwargs):
@@ -229,7 +228,7 @@ def _save_failures(rank, world_size, source, scratch, expected):
     # a write that fails inside safetensors on the last rank: the error names that rank and its file
     directory = os.path.join(scratch, "permission")
     _on_rank0(rank, lambda: _copy(source, directory))
-    denied = mock.patch.object(checkpoint, "save_file", side_effect=PermissionError(13, "Permission denied"))
+    denied = mock.patch.object(commit, "save_file", side_effect=PermissionError(13, "Permission denied"))
     out["permission"] = dict(error=_save_with([denied] if rank == world_size - 1 else [], engine, directory))
     out["permission"].update(_after_failed_save(rank, directory, expected))
     # the directory is a regular file: rank 0 cannot create the snapshot
@@ -281,7 +280,7 @@ class _Temperature(nn.Module):
     """A frozen classifier whose one trainable element is its temperature. Saved by 2 ranks, the flat buffer of
     1 element is padded to 2 and rank 1's range is padding only: rank1-of-2 holds no piece, and no loading rank
     reads a slice of it, at any stage (pieces are read by name and range). Only the rule that rank i checks
-    rank file j for every j = i (mod world size) covers it (checkpoint.py [Note: loading])."""
+    rank file j for every j = i (mod world size) covers it (zerokit/checkpoint/loading.py [Note: loading])."""
 
     def __init__(self):
         super().__init__()
@@ -397,7 +396,7 @@ def _crash(rank, world_size, directory, markers, dying, where):
         patches = _fail_after_others_wrote(rank, world_size, dying, _Markers(markers), _die)
     else:
         target = {"commit": "_commit", "cleanup": "_remove_stale"}[where]
-        patches = [mock.patch.object(checkpoint, target, lambda *a, **k: _die())] if rank == dying else []
+        patches = [mock.patch.object(commit, target, lambda *a, **k: _die())] if rank == dying else []
     for p in patches:
         p.start()
     engine.save(directory, extra={"step": K + M})

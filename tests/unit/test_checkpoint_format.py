@@ -1,0 +1,249 @@
+"""zerokit.checkpoint.format without a process group: names, piece keys, meta.json and current.json checks,
+digests, and a snapshot directory written by the commit step's own writers read back by `open_checkpoint`."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from zerokit.checkpoint import commit
+from zerokit.checkpoint.format import (
+    FORMAT, HASH, META_FILE, MODEL_FILE, POINTER_FILE, POINTER_LEFTOVER, SNAPSHOT_NAME, VERSION, aliases, check_meta,
+    check_pointer, check_record, digest, digest_bytes, is_record, json_number, meta_bytes, new_snapshot_name,
+    open_checkpoint, parse_piece_key, piece_key, pointer, rank_file, snapshot_files, verify_file)
+
+PARAMS = {"blocks.0.fc1.weight": {"shape": [7, 15]}, "gain": {"shape": [1]}, "a::b": {"shape": [4]}}
+
+
+def _record(data: bytes) -> dict:
+    return {"bytes": len(data), HASH: hashlib.sha256(data).hexdigest()}
+
+
+# ---------------------------------------------------------------------- names and keys
+def test_file_names_of_a_snapshot_written_by_three_ranks():
+    """The files a 3-rank snapshot holds: the model file and one rank file per rank."""
+    assert rank_file(1, 3) == "rank1-of-3.safetensors"
+    assert snapshot_files(3) == {MODEL_FILE, "rank0-of-3.safetensors", "rank1-of-3.safetensors",
+                                 "rank2-of-3.safetensors"}
+
+
+def test_new_snapshot_names_match_the_pattern_the_reader_and_the_cleanup_accept():
+    """A fresh snapshot name is accepted by the reader; its pointer leftover by the cleanup; names differ."""
+    names = {new_snapshot_name() for _ in range(20)}
+    assert len(names) == 20  # the random token: two saves in one second never share a name
+    for name in names:
+        assert SNAPSHOT_NAME.match(name), name
+        assert POINTER_LEFTOVER.match(f"{POINTER_FILE}.tmp-{name[-12:]}"), name
+    assert not SNAPSHOT_NAME.match("ckpt-latest")
+
+
+@pytest.mark.parametrize("kind", ["master", "state.exp_avg", "state.step"])
+@pytest.mark.parametrize("name, start, end", [("blocks.0.fc1.weight", 0, 105), ("blocks.0.fc1.weight", 17, 18),
+                                              ("gain", 0, 1), ("a::b", 1, 4)])
+def test_piece_keys_round_trip(kind, name, start, end):
+    """parse_piece_key inverts piece_key, also for a parameter name that contains '::'."""
+    key = piece_key(kind, name, start, end)
+    assert parse_piece_key(key, PARAMS, "rank0-of-2.safetensors") == (kind, name, start, end)
+
+
+@pytest.mark.parametrize("key, message", [
+    ("master:gain:0:1", "unrecognised key"),
+    ("master::gain::0-1", "unrecognised key"),
+    ("master::gain::-1:1", "unrecognised key"),
+    ("master::other::0:1", "piece of unknown parameter 'other'"),
+    ("master::gain::0:2", "is outside 'gain' (1 elements)"),
+    ("master::blocks.0.fc1.weight::50:50", "is outside"),
+    ("master::blocks.0.fc1.weight::100:106", "(105 elements)"),
+])
+def test_bad_piece_keys_are_refused_naming_the_file_and_the_key(key, message):
+    """A key that is not <kind>::<name>::<start>:<end>, names no saved parameter, or is outside it: refused."""
+    with pytest.raises(ValueError, match="^rank1-of-2.safetensors: ") as info:
+        parse_piece_key(key, PARAMS, "rank1-of-2.safetensors")
+    assert message in str(info.value), str(info.value)
+
+
+def test_aliases_map_the_second_name_of_a_tied_tensor_to_its_first():
+    """Tied embedding and head: the head's name is an alias of the embedding's; untied names are not."""
+    model = nn.ModuleDict({"emb": nn.Embedding(5, 3), "head": nn.Linear(3, 5, bias=False)})
+    assert aliases(model) == {}
+    model["head"].weight = model["emb"].weight
+    assert aliases(model) == {"head.weight": "emb.weight"}
+
+
+@pytest.mark.parametrize("value, expected", [
+    (0.1, 0.1), (3, 3), ((0.9, 0.999), [0.9, 0.999]), (torch.tensor(0.5), 0.5), (True, None), (None, None),
+    ("adam", None), ((0.9, "x"), None), ((True, 1), None),
+])
+def test_json_number_keeps_numbers_and_tuples_of_numbers_only(value, expected):
+    """Hyperparameters stored in meta.json: numbers, tuples of numbers (as lists); everything else None."""
+    assert json_number(value) == expected
+
+
+# ---------------------------------------------------------------------- digests
+def test_digest_is_the_plain_sha256_of_the_file_across_the_read_chunk(tmp_path):
+    """The record equals hashlib's sha256 of the bytes (what `sha256sum` prints), also past one read chunk."""
+    data = os.urandom((8 << 20) + 3)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    assert digest(str(path)) == _record(data) == digest_bytes(data)
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    assert digest(str(empty)) == {"bytes": 0, HASH: hashlib.sha256(b"").hexdigest()}
+
+
+@pytest.mark.parametrize("record, ok", [
+    ({"bytes": 3, HASH: "ab" * 32}, True),
+    ({"bytes": 0, HASH: "0" * 64}, True),
+    ({"bytes": 3, HASH: "AB" * 32}, False),  # upper case: not what digest writes
+    ({"bytes": 3, HASH: "ab" * 31}, False),
+    ({"bytes": -1, HASH: "ab" * 32}, False),
+    ({"bytes": True, HASH: "ab" * 32}, False),
+    ({"bytes": 3.0, HASH: "ab" * 32}, False),
+    ({"bytes": 3, HASH: "ab" * 32, "extra": 1}, False),
+    ({"bytes": 3}, False),
+    ([3, "ab" * 32], False),
+])
+def test_is_record_accepts_exactly_bytes_and_sha256(record, ok):
+    assert is_record(record) is ok
+
+
+def test_verify_file_names_truncation_corruption_and_a_missing_file(tmp_path):
+    """Size first (truncated), then sha256 (corrupted), each naming the file, the record's home and the cause."""
+    data = b"0123456789" * 100
+    path = tmp_path / "rank0-of-1.safetensors"
+    path.write_bytes(data)
+    record = _record(data)
+    verify_file(str(path), record, "meta.json")  # intact: no error
+
+    path.write_bytes(data[:-1])
+    with pytest.raises(ValueError, match=r"999 bytes on disk, 1000 recorded in meta.json; the file is truncated"):
+        verify_file(str(path), record, "meta.json")
+
+    path.write_bytes(data[:500] + b"X" + data[501:])
+    with pytest.raises(ValueError, match=r"sha256 checksum mismatch .* recorded in meta.json\); the file is corrupted"):
+        verify_file(str(path), record, "meta.json")
+
+    path.unlink()
+    with pytest.raises(ValueError, match=r"is missing: meta.json lists it"):
+        verify_file(str(path), record, "meta.json")
+
+
+def test_check_record_compares_size_before_digest():
+    record = _record(b"abc")
+    check_record("f", _record(b"abc"), record, "current.json")
+    with pytest.raises(ValueError, match="4 bytes on disk, 3 recorded"):
+        check_record("f", _record(b"abcd"), record, "current.json")
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        check_record("f", _record(b"abd"), record, "current.json")
+
+
+# ---------------------------------------------------------------------- current.json and meta.json
+def test_pointer_round_trips_and_every_malformed_field_is_refused():
+    """check_pointer gives back what pointer() was given; each field that is wrong is named."""
+    name, record = new_snapshot_name(), _record(b"{}")
+    content = pointer(name, record)
+    assert check_pointer(json.loads(json.dumps(content)), "current.json") == (name, record)
+    bad = {
+        "not a zerokit checkpoint pointer": {**content, "format": "other"},
+        "checkpoint format version 1; this zerokit reads version 2": {**content, "version": 1},
+        "'checkpoint' is '../elsewhere', not a snapshot name": {**content, "checkpoint": "../elsewhere"},
+        "malformed (expected format, version, checkpoint and meta.json's bytes and sha256)":
+            {**content, META_FILE: {"bytes": 2}},
+        "malformed": {**content, "note": "an extra field"},
+    }
+    for message, value in bad.items():
+        with pytest.raises(ValueError, match="^current.json: ") as info:
+            check_pointer(value, "current.json")
+        assert message in str(info.value), (message, str(info.value))
+    with pytest.raises(ValueError, match="not a zerokit checkpoint pointer"):
+        check_pointer([content], "current.json")
+
+
+def _meta(world_size=2) -> dict:
+    return {"format": FORMAT, "version": VERSION, "world_size": world_size,
+            "files": {name: _record(name.encode()) for name in snapshot_files(world_size)}}
+
+
+def test_check_meta_refuses_another_version_or_a_file_list_unlike_its_snapshot():
+    meta = _meta()
+    assert check_meta(meta, "m.json") is meta
+    with pytest.raises(ValueError, match=r"m.json: format 'zerokit-checkpoint' version 1, expected"):
+        check_meta({**meta, "version": 1}, "m.json")
+    with pytest.raises(ValueError, match=r"'world_size' is '2', not a positive integer"):
+        check_meta({**meta, "world_size": "2"}, "m.json")
+    with pytest.raises(ValueError, match=r"its file list .* is not .*rank2-of-3"):
+        check_meta({**meta, "world_size": 3}, "m.json")  # files of 2 ranks, meta says 3
+    broken = {**meta, "files": {**meta["files"], MODEL_FILE: {"bytes": 1}}}
+    with pytest.raises(ValueError, match="with sizes and sha256 digests"):
+        check_meta(broken, "m.json")
+
+
+def test_meta_bytes_are_canonical():
+    """Key order does not change meta.json's bytes (its digest is recorded in current.json)."""
+    meta = _meta()
+    shuffled = dict(reversed(list(meta.items())))
+    assert meta_bytes(meta) == meta_bytes(shuffled) == meta_bytes(json.loads(meta_bytes(meta)))
+
+
+# ---------------------------------------------------------------------- a snapshot directory
+def _snapshot_directory(root, world_size=2) -> tuple[str, str, dict]:
+    """A committed checkpoint written by commit's meta and pointer writers, with stand-in safetensors bytes."""
+    directory = str(root / "ckpt")
+    name = new_snapshot_name()
+    path = os.path.join(directory, name)
+    os.makedirs(path)
+    files = {}
+    for file in sorted(snapshot_files(world_size)):
+        data = f"stand-in bytes of {file}".encode()
+        with open(os.path.join(path, file), "wb") as f:
+            f.write(data)
+        files[file] = _record(data)
+    meta = {"format": FORMAT, "version": VERSION, "world_size": world_size, "extra": {"step": 7}, "files": files}
+    commit._commit(directory, name, commit._write_meta(path, meta))
+    return directory, path, meta
+
+
+def test_a_committed_snapshot_opens_with_its_meta(tmp_path):
+    """Round trip: the pointer names the snapshot, meta.json's digest matches, the meta is what was written."""
+    directory, path, meta = _snapshot_directory(tmp_path)
+    snapshot = open_checkpoint(directory)
+    assert snapshot.path == path
+    assert snapshot.meta == meta
+    assert snapshot.meta_sha256 == hashlib.sha256(meta_bytes(meta)).hexdigest()
+    assert sorted(os.listdir(directory)) == sorted([POINTER_FILE, os.path.basename(path)])  # no tmp left
+    for file, record in meta["files"].items():
+        verify_file(os.path.join(path, file), record, snapshot.meta_path)
+
+
+def test_a_changed_meta_json_is_refused_naming_the_pointer(tmp_path):
+    directory, path, meta = _snapshot_directory(tmp_path)
+    with open(os.path.join(path, META_FILE), "wb") as f:
+        f.write(meta_bytes({**meta, "extra": {"step": 8}}))
+    with pytest.raises(ValueError, match=r"meta.json: sha256 checksum mismatch .* recorded in .*current.json"):
+        open_checkpoint(directory)
+
+
+def test_a_pointer_to_a_missing_snapshot_is_refused(tmp_path):
+    directory, path, _meta_ = _snapshot_directory(tmp_path)
+    os.rename(path, path + "-moved")
+    with pytest.raises(ValueError, match=r"meta.json: cannot read it .*names this snapshot as the committed"):
+        open_checkpoint(directory)
+
+
+def test_directories_without_a_pointer_are_refused_with_the_fix(tmp_path):
+    """No checkpoint at all; a snapshot passed instead of its directory (pass the parent); a version-1
+    checkpoint (load it with the zerokit that wrote it and save it again)."""
+    with pytest.raises(ValueError, match="holds no committed zerokit checkpoint"):
+        open_checkpoint(str(tmp_path))
+    directory, path, _meta_ = _snapshot_directory(tmp_path)
+    with pytest.raises(ValueError, match=f"is one snapshot inside the checkpoint directory {directory}: pass"):
+        open_checkpoint(path)
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / META_FILE).write_text(json.dumps({"format": FORMAT, "version": 1}))
+    with pytest.raises(ValueError, match="format version 1 without current.json.*save it again"):
+        open_checkpoint(str(old))

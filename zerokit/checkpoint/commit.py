@@ -1,0 +1,233 @@
+"""Saving: every rank writes what it owns, and one os.replace of current.json commits the snapshot.
+
+[Note: the commit protocol]
+`save` is a collective of four small all-gathers; a crash of any rank at any point leaves the
+previous snapshot current and intact:
+
+ 1. agree: every rank's realpath(directory) is gathered with rank 0's fresh snapshot name;
+    different paths raise ValueError on every rank before anything is written.
+ 2. create: rank 0 makes <directory>/<snapshot>/; a rank that then cannot see it is on another
+    filesystem and is refused.
+ 3. write: each rank writes, fsyncs and digests its rank file (rank 0 also the model file). The
+    gather of every rank's problems and digests is the agreement that the snapshot is complete;
+    on any problem rank 0 deletes it and every rank raises, naming the rank and the file.
+ 4. commit: rank 0 writes meta.json (every digest), fsyncs the snapshot, writes and fsyncs
+    current.json.tmp-<token> and os.replace()s it onto current.json: the one commit point. Then
+    it deletes every other ckpt-* snapshot and pointer leftover (a failure there only warns).
+
+A reader follows current.json, so it sees the old snapshot or the new one, never a mix; a
+snapshot is complete before anything names it. One writer per directory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import torch
+from safetensors.torch import save_file
+
+from zerokit.checkpoint.format import (
+    FORMAT, MASTER, META_FILE, MODEL_FILE, POINTER_FILE, POINTER_LEFTOVER, SNAPSHOT_NAME, aliases, build_meta, digest,
+    digest_bytes, master_start, meta_bytes, new_snapshot_name, piece_key, pointer, rank_file, state_kinds,
+    trainable_with_masters)
+
+
+def save(engine, directory: str | os.PathLike, extra: dict | None = None) -> None:
+    """Write a sharded checkpoint of `engine` into `directory`, atomically. A collective: every rank calls it.
+
+    `extra` (JSON-serialisable) is stored in meta.json and handed back by `load` (the
+    training loop's step index, for instance). The new snapshot is written beside the
+    directory's current one and becomes current in one step once every rank's files are
+    on disk (see [Note: the commit protocol]); until then, and after any failure or crash,
+    `load` reads the previous checkpoint. Raises ValueError on every rank if the ranks
+    passed different directories (before writing anything) or if any rank failed to write,
+    naming the rank and the file.
+    """
+    snapshot = _agree_on_directory(engine, directory)  # 1. agree (all-gather)
+    directory = os.fspath(directory)
+    engine.finish_backward()
+    full = engine.state_dict(full=True)  # a collective at stages 1-3: every rank takes part
+    what = f"cannot save checkpoint {directory}"
+    snapshot_path = os.path.join(directory, snapshot)
+
+    # 2. create: one rank makes the snapshot directory, so a rank that cannot see it is on another filesystem.
+    problems: list[str] = []
+    if engine.comm.world_rank == 0:
+        try:
+            os.makedirs(snapshot_path)  # the name is fresh: an existing one would be a bug
+        except Exception as exc:
+            problems.append(f"{type(exc).__name__}: {exc}")
+    raise_if_any(engine, problems, what)
+
+    # 3. write: every rank its own files, then the all-gather that agrees the snapshot is complete.
+    records: dict[str, dict] = {}
+    kinds: dict[str, str] = {}
+    try:
+        if not os.path.isdir(snapshot_path):
+            raise OSError(f"{snapshot_path}, just created by rank 0, does not exist on rank {engine.comm.world_rank}: "
+                          "the checkpoint directory must be on a filesystem every rank shares")
+        kinds = state_kinds(engine)
+        if engine.comm.replica_rank == 0:  # hybrid sharding: one copy of the shards is written (core/hybrid.py)
+            name = rank_file(engine.rank, engine.world_size)
+            records[name] = _write_rank_file(engine, snapshot_path, kinds, aliases(engine.module))
+        if engine.comm.world_rank == 0:
+            records[MODEL_FILE] = _write_model_file(engine, snapshot_path, full)
+    except Exception as exc:  # reported to every rank below, never left for a peer to hang on
+        problems.append(f"{type(exc).__name__}: {exc}")
+    everyone = engine.comm.all_gather_object((problems, records), label="checkpoint save: every rank's files written",
+                                             phase="checkpoint")
+    errors = [f"rank {r}: {msg}" for r, (theirs, _) in enumerate(everyone) for msg in theirs]
+    if errors:
+        if engine.comm.world_rank == 0:  # every rank has stopped writing: the half-written snapshot can go
+            shutil.rmtree(snapshot_path, ignore_errors=True)
+        raise_on_every_rank(engine, what, errors)
+
+    # 4. commit: rank 0 alone, after every rank's files are on disk.
+    if engine.comm.world_rank == 0:
+        committed = False
+        try:
+            files = {name: record for _, theirs in everyone for name, record in theirs.items()}
+            meta_record = _write_meta(snapshot_path, build_meta(engine, kinds, extra, files))
+            _commit(directory, snapshot, meta_record)
+            committed = True
+            _fsync(directory)  # the rename itself, durable
+            _remove_stale(directory, keep=snapshot)
+        except Exception as exc:
+            problems.append(f"{type(exc).__name__}: {exc}")
+            if not committed:
+                shutil.rmtree(snapshot_path, ignore_errors=True)
+    raise_if_any(engine, problems, what)
+
+
+def _agree_on_directory(engine, directory) -> str:
+    """All-gather every rank's resolved directory; raise on every rank unless they are equal. Returns rank 0's
+    fresh snapshot name, which every rank then writes into."""
+    try:
+        mine = os.path.realpath(os.fspath(directory))
+    except Exception as exc:  # not a path: still take part in the gather, then fail with everyone
+        mine = exc
+    snapshot = new_snapshot_name() if engine.comm.world_rank == 0 else None
+    everyone = engine.comm.all_gather_object((mine, snapshot), label="checkpoint save: the directory",
+                                             phase="checkpoint")
+    bad = [f"rank {r}: {type(p).__name__}: {p}" for r, (p, _) in enumerate(everyone) if isinstance(p, Exception)]
+    if bad:
+        raise_on_every_rank(engine, f"cannot save checkpoint {directory!r}", bad)
+    ranks_of: dict[str, list[int]] = {}
+    for r, (path, _) in enumerate(everyone):
+        ranks_of.setdefault(path, []).append(r)
+    if len(ranks_of) > 1:
+        listing = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {path}"
+                            for path, rs in ranks_of.items())
+        raise ValueError(f"zerokit: cannot save checkpoint: the ranks passed different directories ({listing}) "
+                         f"(raised on rank {engine.comm.world_rank}, nothing written); every rank must pass the same "
+                         "directory, on a filesystem every rank shares")
+    return everyone[0][1]
+
+
+def raise_on_every_rank(engine, what: str, errors: list[str]) -> None:
+    """Raise the ValueError every rank raises: `errors` were gathered, so they are the same on every rank."""
+    raise ValueError(f"zerokit: {what} (raised on rank {engine.comm.world_rank}):\n  " + "\n  ".join(errors))
+
+
+def raise_if_any(engine, problems: list[str], what: str) -> None:
+    """Gather every rank's `problems`; raise on every rank if any rank has one."""
+    everyone = engine.comm.all_gather_object(problems, label="checkpoint: every rank's problems", phase="checkpoint")
+    errors = [f"rank {r}: {msg}" for r, theirs in enumerate(everyone) for msg in theirs]
+    if errors:
+        raise_on_every_rank(engine, what, errors)
+
+
+def _fsync(path: str) -> None:
+    """Flush a file's data, or a directory's entries, to stable storage (the commit must not outrun them)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> dict:
+    """Write, fsync and digest one safetensors file; return its record for meta.json."""
+    try:
+        save_file(tensors, path, metadata=metadata)
+        _fsync(path)
+        return digest(path)
+    except Exception as exc:
+        raise OSError(f"writing {path}: {exc}") from exc
+
+
+def _write_rank_file(engine, directory: str, kinds: dict[str, str], names_of: dict[str, str]) -> dict:
+    """This rank's pieces of every trainable flat param: master and optimizer states, by name and range."""
+    tensors: dict[str, torch.Tensor] = {}
+    for fp, master in trainable_with_masters(engine):
+        base = master_start(fp, master)
+        lo, _hi = fp.shard_range
+        master_state = engine.optimizer.state_of(master)
+        for piece in fp.layout.pieces(engine.rank):
+            name = names_of.get(fp.names[piece.index][0], fp.names[piece.index][0])  # the model file's key
+            a = lo + piece.shard_offset - base  # where the piece sits in the master tensor
+            b = a + piece.numel
+            # clone: safetensors stores each tensor on its own, never views of one storage
+            tensors[piece_key(MASTER, name, piece.start, piece.end)] = master.detach()[a:b].float().cpu().clone()
+            for key, kind in kinds.items():
+                value = master_state[key].detach()
+                stored = value[a:b] if kind == "elementwise" else value
+                tensors[piece_key(f"state.{key}", name, piece.start, piece.end)] = stored.cpu().clone()
+    path = os.path.join(directory, rank_file(engine.rank, engine.world_size))
+    return _save_tensors(tensors, path,
+                         {"format": FORMAT, "rank": str(engine.rank), "world_size": str(engine.world_size)})
+
+
+def _write_model_file(engine, directory: str, full: dict[str, torch.Tensor]) -> dict:
+    names_of = aliases(engine.module)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in full.items() if k not in names_of}
+    return _save_tensors(tensors, os.path.join(directory, MODEL_FILE), {"format": FORMAT})
+
+
+def _write_meta(snapshot_path: str, meta: dict) -> dict:
+    """Write meta.json, then fsync the snapshot directory (every file's entry); return meta.json's record."""
+    path = os.path.join(snapshot_path, META_FILE)
+    data = meta_bytes(meta)
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync(snapshot_path)
+    except Exception as exc:
+        raise OSError(f"writing {path}: {exc}") from exc
+    return digest_bytes(data)
+
+
+def _commit(directory: str, snapshot: str, meta_record: dict) -> None:
+    """Make `snapshot` the directory's checkpoint: one os.replace of current.json, the commit point."""
+    path = os.path.join(directory, POINTER_FILE)
+    tmp = f"{path}.tmp-{snapshot[-12:]}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(pointer(snapshot, meta_record), f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: a reader sees the old pointer or the new one
+    except Exception as exc:
+        raise OSError(f"committing {path}: {exc}") from exc
+
+
+def _remove_stale(directory: str, keep: str) -> None:
+    """Delete the snapshots and pointer leftovers current.json does not name: the previous checkpoint, and
+    whatever crashed saves left. Best effort: the commit has happened; a failure here is only a warning."""
+    for entry in os.listdir(directory):
+        if entry == keep or not (SNAPSHOT_NAME.match(entry) or POINTER_LEFTOVER.match(entry)):
+            continue
+        path = os.path.join(directory, entry)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+        except OSError as exc:
+            warnings.warn(f"zerokit: could not remove {path}, left by an earlier save ({exc}); the next save "
+                          "tries again", stacklevel=3)

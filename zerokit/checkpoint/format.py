@@ -1,0 +1,357 @@
+"""The checkpoint format (VERSION 2): names, file layout, piece keys, meta.json, digests. No process group.
+
+A checkpoint directory holds one committed snapshot and the pointer that names it:
+
+    current.json                    the commit pointer (rank 0, replaced atomically): format, version,
+                                    "checkpoint" (the snapshot's name), meta.json's bytes and sha256
+    ckpt-<UTC time>-<token>/        one snapshot; never modified once current.json names it
+      meta.json                     rank 0: world size, stage, precision, optimizer class and per-group
+                                    hyperparameters, loss-scaler state, versions, every parameter's names /
+                                    shape / dtype, the caller's `extra`, and "files": {name: {"bytes",
+                                    "sha256"}} for every file below
+      model.safetensors             rank 0: engine.state_dict(full=True), the unwrapped model's keys (fp32
+                                    masters where they exist); a tied tensor is stored once, under its first
+                                    name, and meta.json's "aliases" maps the other names to it
+      rank{r}-of-{N}.safetensors    rank r: the pieces of range [r * shard_numel, (r + 1) * shard_numel) of
+                                    every trainable flat param's fp32 master and per-element optimizer states
+
+Under hybrid sharding (core/hybrid.py) N is the shard group size ("world_size" in meta.json;
+"data_parallel_size" is every rank): only replica 0 writes rank files. A reader finds pieces by
+name and range, whatever N and stage wrote them.
+
+[Note: pieces keyed by name and range]
+A flat buffer's layout depends on the world size (padding), the stage (stage 3 groups by unit)
+and `bucket_numel`, so a rank file never refers to it. Each stored tensor is the part of *one
+parameter* that fell in the writer's range, keyed
+
+    "<kind>::<param name>::<start>:<end>"      kind = "master" or "state.<key>" (exp_avg, ...)
+
+with [start, end) counted in the flattened parameter's elements; padding is never stored. A
+reader with any layout copies the sub-ranges of the pieces that overlap what it owns.
+Scalar optimizer states (Adam's `step`) are stored once per piece as 0-dim tensors. At stage 0
+rank r still writes only range r, so the files are the same size at every stage.
+
+[Note: checksums]
+Every byte is checked before a load changes anything: meta.json records each safetensors
+file's size and sha256, current.json records meta.json's, and every field of current.json is
+validated when read. The digests are plain sha256 of the files' bytes, so `sha256sum` checks a
+copied checkpoint without zerokit. sha256 is the fastest strong hash in the stdlib on CPUs with
+SHA extensions; its cost per GB on save and load is in benchmarks/results/checksum_cost.md.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import time
+from dataclasses import dataclass
+
+import safetensors
+import torch
+
+FORMAT = "zerokit-checkpoint"
+VERSION = 2  # 1: files directly in the directory, meta.json written last, no checksums
+POINTER_FILE = "current.json"
+META_FILE = "meta.json"
+MODEL_FILE = "model.safetensors"
+HASH = "sha256"
+MASTER = "master"
+PIECE_KEY = re.compile(r"^(?P<kind>[^:]+)::(?P<name>.+)::(?P<start>\d+):(?P<end>\d+)$")
+SNAPSHOT_NAME = re.compile(r"^ckpt-\d{8}T\d{6}-[0-9a-f]{12}$")
+POINTER_LEFTOVER = re.compile(r"^current\.json\.tmp-[0-9a-f]{12}$")
+_READ_CHUNK_BYTES = 8 << 20  # digest buffer: large enough that hashing, not the syscalls, is the cost
+
+
+# ====================================================================== names and keys
+def rank_file(rank: int, world_size: int) -> str:
+    return f"rank{rank}-of-{world_size}.safetensors"
+
+
+def snapshot_files(world_size: int) -> set[str]:
+    """Every safetensors file of a snapshot written by `world_size` ranks (meta.json's "files")."""
+    return {MODEL_FILE} | {rank_file(r, world_size) for r in range(world_size)}
+
+
+def new_snapshot_name() -> str:
+    return f"ckpt-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(6)}"
+
+
+def piece_key(kind: str, name: str, start: int, end: int) -> str:
+    return f"{kind}::{name}::{start}:{end}"
+
+
+def parse_piece_key(key: str, params: dict, path: str) -> tuple[str, str, int, int]:
+    """(kind, name, start, end) of a rank file's key, checked against meta.json's "params"; ValueError naming
+    `path` and the key otherwise."""
+    m = PIECE_KEY.match(key)
+    if m is None:
+        raise ValueError(f"{path}: unrecognised key {key!r}")
+    name, start, end = m["name"], int(m["start"]), int(m["end"])
+    info = params.get(name)
+    if info is None:
+        raise ValueError(f"{path}: piece of unknown parameter {name!r}")
+    numel = 1
+    for d in info["shape"]:
+        numel *= d
+    if not 0 <= start < end <= numel:
+        raise ValueError(f"{path}: piece {key!r} is outside {name!r} ({numel} elements)")
+    return m["kind"], name, start, end
+
+
+# ====================================================================== the engine's side of the layout
+def aliases(module) -> dict[str, str]:
+    """Second and later names of a tensor reachable under several state_dict keys -> its first name."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) in first:
+            out[name] = first[id(t)]
+        else:
+            first[id(t)] = name
+    return out
+
+
+def master_start(fp, master: torch.Tensor) -> int:
+    """Flat offset where this rank's master tensor begins: 0 when it spans the whole buffer (stage 0)."""
+    if master.numel() == fp.padded_numel:
+        return 0
+    assert master.numel() == fp.shard_numel, (master.numel(), fp.shard_numel, fp.padded_numel)
+    return fp.shard_range[0]
+
+
+def trainable_with_masters(engine) -> list[tuple[object, torch.Tensor]]:
+    trainable = [fp for fp in engine.flat_params if fp.requires_grad]
+    masters = engine.optimizer.master_shards
+    assert len(trainable) == len(masters), (len(trainable), len(masters))
+    return list(zip(trainable, masters))
+
+
+def state_kinds(engine) -> dict[str, str]:
+    """Optimizer state key -> "elementwise" (shaped like the master) or "scalar" (0-dim), checked."""
+    kinds: dict[str, str] = {}
+    for fp, master in trainable_with_masters(engine):
+        for key, value in engine.optimizer.state_of(master).items():
+            if torch.is_tensor(value) and value.shape == master.shape:
+                kind = "elementwise"
+            elif torch.is_tensor(value) and value.dim() == 0:
+                kind = "scalar"
+            else:
+                raise ValueError(
+                    f"optimizer state {key!r} of {engine.optimizer.name} for the flat param "
+                    f"holding {fp.names[0][0]!r} is neither shaped like its master nor a 0-dim tensor; "
+                    "a sharded checkpoint cannot re-slice it")
+            if kinds.setdefault(key, kind) != kind:
+                raise ValueError(f"optimizer state {key!r} is elementwise for some params and scalar for others")
+    return kinds
+
+
+# ====================================================================== meta.json
+def _zerokit_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("zerokit")
+    except Exception:  # run from a source checkout without an installed distribution
+        return "source"
+
+
+def json_number(value):
+    """Hyperparameters as JSON: numbers (and tuples of numbers) only; None for anything else."""
+    if torch.is_tensor(value) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, (tuple, list)) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                for v in value):
+        return list(value)
+    return None
+
+
+def build_meta(engine, kinds: dict[str, str], extra: dict | None, files: dict[str, dict]) -> dict:
+    """meta.json's content for `engine`, given every file's record."""
+    optimizer = engine.optimizer
+    names_of = aliases(engine.module)
+    fp_of_master = {id(m): fp for fp, m in trainable_with_masters(engine)}
+    groups = []
+    for group in optimizer.param_groups:
+        fps = [fp_of_master[id(m)] for m in group["params"] if id(m) in fp_of_master]
+        names = [names_of.get(names[0], names[0]) for fp in fps for names in fp.names]
+        hyper = {k: json_number(v) for k, v in group.items() if k != "params"}
+        groups.append({"params": names, "hyperparameters": {k: v for k, v in hyper.items() if v is not None}})
+    step = None
+    for _fp, master in trainable_with_masters(engine):
+        value = optimizer.state_of(master).get("step")
+        if value is not None:
+            step = int(float(value))
+            break
+    params = {}
+    for fp in engine.flat_params:
+        for names, shape in zip(fp.names, fp.layout.shapes):
+            params[names_of.get(names[0], names[0])] = {
+                "names": list(names), "shape": list(shape), "dtype": str(fp.dtype).removeprefix("torch."),
+                "requires_grad": fp.requires_grad}
+    expected = snapshot_files(engine.world_size)
+    assert set(files) == expected, (sorted(files), sorted(expected))
+    return {
+        "format": FORMAT, "version": VERSION,
+        "world_size": engine.world_size, "stage": engine.stage, "precision": engine.policy.name,
+        "data_parallel_size": engine.comm.data_parallel_size,
+        "optimizer": {"class": optimizer.name, "param_groups": groups, "state": kinds,
+                      "step": step},
+        "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+        "versions": {"zerokit": _zerokit_version(), "torch": torch.__version__,
+                     "safetensors": safetensors.__version__},
+        "params": params,
+        "aliases": names_of,
+        "extra": extra or {},
+        "files": files,
+    }
+
+
+def meta_bytes(meta: dict) -> bytes:
+    """meta.json's bytes, exactly as written."""
+    return json.dumps(meta, indent=1, sort_keys=True).encode()
+
+
+def check_meta(meta, meta_path: str) -> dict:
+    """Refuse a meta.json of another format or version, or whose file list is not its snapshot's."""
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        found = (meta.get("format"), meta.get("version")) if isinstance(meta, dict) else (None, None)
+        raise ValueError(f"{meta_path}: format {found[0]!r} version {found[1]!r}, "
+                         f"expected {FORMAT!r} version {VERSION}")
+    world_size = meta.get("world_size")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"{meta_path}: 'world_size' is {world_size!r}, not a positive integer")
+    expected = snapshot_files(world_size)
+    files = meta.get("files", {})
+    if not isinstance(files, dict) or set(files) != expected or not all(is_record(r) for r in files.values()):
+        raise ValueError(f"{meta_path}: its file list {sorted(files)} is not {sorted(expected)} with sizes and "
+                         f"{HASH} digests")
+    return meta
+
+
+# ====================================================================== current.json
+def pointer(snapshot: str, meta_record: dict) -> dict:
+    """current.json's content: `snapshot` is the committed one, its meta.json has `meta_record`."""
+    return {"format": FORMAT, "version": VERSION, "checkpoint": snapshot, META_FILE: meta_record}
+
+
+def check_pointer(content, pointer_path: str) -> tuple[str, dict]:
+    """The snapshot name and meta.json record of a current.json's content; ValueError unless every field is valid."""
+    if not isinstance(content, dict) or content.get("format") != FORMAT:
+        raise ValueError(f"{pointer_path}: not a zerokit checkpoint pointer")
+    if content.get("version") != VERSION:
+        raise ValueError(f"{pointer_path}: checkpoint format version {content.get('version')!r}; this zerokit reads "
+                         f"version {VERSION}")
+    name, record = content.get("checkpoint"), content.get(META_FILE)
+    if not isinstance(name, str) or SNAPSHOT_NAME.match(name) is None:
+        raise ValueError(f"{pointer_path}: 'checkpoint' is {name!r}, not a snapshot name ckpt-<UTC time>-<token>")
+    if not is_record(record) or set(content) != {"format", "version", "checkpoint", META_FILE}:
+        raise ValueError(f"{pointer_path}: malformed (expected format, version, checkpoint and {META_FILE}'s bytes "
+                         f"and {HASH})")
+    return name, record
+
+
+# ====================================================================== digests
+def digest(path: str) -> dict:
+    """{"bytes", "sha256"} of the file's bytes as they are on disk (read back in chunks: no copy of the file)."""
+    h = hashlib.new(HASH)
+    buffer = bytearray(_READ_CHUNK_BYTES)
+    view = memoryview(buffer)
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            h.update(view[:n])
+            size += n
+    return {"bytes": size, HASH: h.hexdigest()}
+
+
+def digest_bytes(data: bytes) -> dict:
+    """The record of a file holding `data`."""
+    return {"bytes": len(data), HASH: hashlib.new(HASH, data).hexdigest()}
+
+
+def is_record(record) -> bool:
+    """A file's {"bytes": int, "sha256": 64 hex digits} record, exactly."""
+    return (isinstance(record, dict) and set(record) == {"bytes", HASH}
+            and isinstance(record["bytes"], int) and not isinstance(record["bytes"], bool) and record["bytes"] >= 0
+            and isinstance(record[HASH], str) and re.fullmatch(r"[0-9a-f]{64}", record[HASH]) is not None)
+
+
+def check_record(path: str, actual: dict, expected: dict, recorded_in: str) -> None:
+    if actual["bytes"] != expected["bytes"]:
+        raise ValueError(f"{path}: {actual['bytes']} bytes on disk, {expected['bytes']} recorded in {recorded_in}; "
+                         "the file is truncated or was changed after the save")
+    if actual[HASH] != expected[HASH]:
+        raise ValueError(f"{path}: {HASH} checksum mismatch ({actual[HASH]} on disk, {expected[HASH]} recorded in "
+                         f"{recorded_in}); the file is corrupted or was changed after the save")
+
+
+def verify_file(path: str, expected: dict, recorded_in: str) -> None:
+    """Refuse a file whose size or sha256 differs from its record (size first: it costs no read)."""
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        raise ValueError(f"{path} is missing: {recorded_in} lists it, and every file of a checkpoint is needed") \
+            from None
+    if size != expected["bytes"]:
+        check_record(path, {"bytes": size, HASH: ""}, expected, recorded_in)
+    check_record(path, digest(path), expected, recorded_in)
+
+
+# ====================================================================== reading a directory
+@dataclass(frozen=True)
+class Snapshot:
+    """The committed snapshot current.json names, with its meta.json read and checked against the pointer."""
+
+    path: str  # <directory>/ckpt-...
+    meta_path: str
+    meta: dict
+    meta_sha256: str  # identifies the checkpoint: equal on every rank that read the same one
+
+
+def read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read it ({exc})") from exc
+
+
+def open_checkpoint(directory: str) -> Snapshot:
+    """Follow current.json to the committed snapshot; read its meta.json and check it against the pointer."""
+    pointer_path = os.path.join(directory, POINTER_FILE)
+    if not os.path.isfile(pointer_path):
+        _refuse_without_pointer(directory, pointer_path)
+    name, record = check_pointer(read_json(pointer_path), pointer_path)
+    path = os.path.join(directory, name)
+    meta_path = os.path.join(path, META_FILE)
+    try:
+        with open(meta_path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ValueError(f"{meta_path}: cannot read it ({exc}); {pointer_path} names this snapshot as the "
+                         "committed checkpoint") from exc
+    check_record(meta_path, digest_bytes(data), record, pointer_path)
+    meta = check_meta(json.loads(data), meta_path)  # its digest matched: it is the meta.json the save wrote
+    return Snapshot(path, meta_path, meta, record[HASH])
+
+
+def _refuse_without_pointer(directory: str, pointer_path: str) -> None:
+    """No current.json: say whether this is an old-format checkpoint, a snapshot, or no checkpoint at all."""
+    meta_path = os.path.join(directory, META_FILE)
+    if not os.path.isfile(meta_path):
+        raise ValueError(f"{pointer_path} is missing: {directory} holds no committed zerokit checkpoint (not a "
+                         "checkpoint directory, or its first save did not finish)")
+    meta = read_json(meta_path)
+    version = meta.get("version") if isinstance(meta, dict) else None
+    parent = os.path.dirname(os.path.abspath(directory))
+    if version == VERSION and os.path.isfile(os.path.join(parent, POINTER_FILE)):
+        raise ValueError(f"{directory} is one snapshot inside the checkpoint directory {parent}: pass {parent}, "
+                         f"whose {POINTER_FILE} names the committed snapshot")
+    raise ValueError(f"{meta_path}: a zerokit checkpoint of format version {version!r} without {POINTER_FILE}; "
+                     f"this zerokit reads format version {VERSION} (a committed snapshot, every file checksummed) "
+                     "only: load it with the zerokit that wrote it and save it again")

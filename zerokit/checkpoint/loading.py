@@ -1,0 +1,343 @@
+"""Loading: verify every file, plan which pieces each rank reads (any saved world size), install.
+
+[Note: loading]
+Loading needs one collective. Every rank reads current.json and meta.json (checked against the
+pointer's digest), checks the model file (read whole), the rank files it reads slices of, and
+rank file i for every i % world_size == rank, so each file is checked by some rank without every
+rank reading every file. One all-gather of the verdicts, and of which snapshot each rank read,
+lets every rank raise the same ValueError — naming the file or the parameter — before anything
+is written into the engine and before a later collective could hang; ranks that read different
+snapshots refuse too. Then the stage's `load_flat_params` writes the full values into its own
+storage, and this rank's masters and optimizer state are installed. A rank holds one full fp32
+copy of the model while loading (4Ψ bytes), the price of reading a plain model file.
+
+[Note: hyperparameters]
+A load restores each parameter's saved numeric hyperparameters (lr, betas, eps, ...), as torch's
+Optimizer.load_state_dict does; rank 0 warns once, naming what changed. A group steps whole flat
+buffers, so it holds one value per hyperparameter: parameters saved with different values that
+share one of the engine's groups are refused on every rank, naming two of them, their values and
+the fix (build the engine with the saved run's `param_groups`). No parameter ever takes another
+parameter's value. Other options (amsgrad, foreach, ...) are the engine's own; an engine of
+another optimizer class is refused.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import safe_open
+
+from zerokit.checkpoint.commit import raise_on_every_rank
+from zerokit.checkpoint.format import (
+    MASTER, MODEL_FILE, Snapshot, json_number, master_start, open_checkpoint, parse_piece_key, rank_file,
+    trainable_with_masters, verify_file)
+
+
+@dataclass
+class _Plan:
+    """Everything read and checked, ready to be installed without further I/O."""
+
+    meta: dict
+    flats: list[torch.Tensor] = field(default_factory=list)  # (padded_numel,) fp32 per flat param
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    masters: list[torch.Tensor] = field(default_factory=list)  # like optimizer.master_shards
+    states: list[dict[str, torch.Tensor]] = field(default_factory=list)  # like master_shards
+    hyper: list[dict] = field(default_factory=list)  # per optimizer param group
+    hyper_changes: list[str] = field(default_factory=list)  # "key old -> new for 'name' ...", for the warning
+
+
+def load(engine, directory: str | os.PathLike) -> dict:
+    """Load a checkpoint written by `save` at any world size, stage or precision; return its meta.
+
+    Every rank calls it (one small collective exchanges the verdict). Bad input — a
+    missing or corrupted file (size or sha256 unlike meta.json's record), a checkpoint of
+    another format version, a different model (names, shapes), another optimizer class,
+    ranks that read different checkpoints — raises ValueError on every rank, naming the
+    file and the parameter, and leaves the engine as it was; so do hyperparameters the
+    engine's param groups cannot carry (see [Note: hyperparameters]). Restores parameters,
+    buffers, fp32 masters, optimizer state, each parameter's numeric hyperparameters (lr,
+    betas, ... as torch's load_state_dict does; rank 0 warns once if they differ from the
+    engine's), and the loss-scaler state; clears gradients.
+    """
+    directory = os.fspath(directory)
+    engine.finish_backward()
+    plan, snapshot, problems = None, None, []
+    try:
+        plan, snapshot = _read(engine, directory)
+    except Exception as exc:  # every rank must hear about it before anyone moves on
+        problems.append(f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc))
+    what = f"cannot load checkpoint {directory}"
+    everyone = engine.comm.all_gather_object((problems, snapshot and (snapshot.path, snapshot.meta_sha256)),
+                                             label="checkpoint load: what each rank read", phase="checkpoint")
+    errors = [f"rank {r}: {msg}" for r, (theirs, _) in enumerate(everyone) for msg in theirs]
+    if not errors and len({sha for _, (_, sha) in everyone}) > 1:
+        errors = [f"rank {r} read {path} (meta.json sha256 {sha[:12]}...)" for r, (_, (path, sha)) in
+                  enumerate(everyone)]
+        errors.append("the ranks read different checkpoints (different directories, or a save committed during "
+                      "the load): every rank must load the same one")
+    if errors:
+        raise_on_every_rank(engine, what, errors)
+    _install(engine, plan)
+    if plan.hyper_changes and engine.comm.world_rank == 0:  # one warning per load, not one per rank
+        warnings.warn(f"zerokit: loading {directory} restored the optimizer hyperparameters it saved, which differ "
+                      f"from this engine's (as torch's Optimizer.load_state_dict does): "
+                      f"{'; '.join(plan.hyper_changes)}. To train with other values, set them in "
+                      "engine.optimizer.param_groups after the load", UserWarning, stacklevel=3)
+    return plan.meta
+
+
+def committed_snapshot(directory: str | os.PathLike) -> str:
+    """The path of the snapshot `directory`'s current.json names (its meta.json checked). No process group."""
+    return open_checkpoint(os.fspath(directory)).path
+
+
+def load_full_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The plain, unsharded state_dict a checkpoint holds (every key, aliases expanded). No process group.
+
+    Reads the committed snapshot's meta.json and model file, both checked against their sha256.
+    """
+    snapshot = open_checkpoint(os.fspath(directory))
+    path = os.path.join(snapshot.path, MODEL_FILE)
+    verify_file(path, snapshot.meta["files"][MODEL_FILE], snapshot.meta_path)
+    out: dict[str, torch.Tensor] = {}
+    with _open_safetensors(path) as f:
+        for key in f.keys():
+            out[key] = f.get_tensor(key)
+    for alias, target in snapshot.meta["aliases"].items():
+        if target not in out:
+            raise ValueError(f"{path}: {alias!r} is an alias of {target!r}, which the file does not hold")
+        out[alias] = out[target]
+    return out
+
+
+@contextlib.contextmanager
+def _open_safetensors(path: str):
+    """safe_open, with any failure to open (truncated, not safetensors) reported under the file's name."""
+    try:
+        handle = safe_open(path, framework="pt")
+    except Exception as exc:
+        raise ValueError(f"{path}: cannot read it ({type(exc).__name__}: {exc})") from exc
+    with handle as f:
+        yield f
+
+
+# ====================================================================== verify and plan
+def _read(engine, directory: str) -> tuple[_Plan, Snapshot]:
+    snapshot = open_checkpoint(directory)
+    meta, meta_path = snapshot.meta, snapshot.meta_path
+    mine = engine.optimizer.name
+    if meta["optimizer"]["class"] != mine:
+        raise ValueError(f"{meta_path}: the checkpoint's optimizer is {meta['optimizer']['class']}, this engine's "
+                         f"is {mine}; build the engine with the same optimizer class")
+    checked: set[str] = set()
+
+    def verify(name: str) -> None:
+        if name not in checked:
+            verify_file(os.path.join(snapshot.path, name), meta["files"][name], meta_path)
+            checked.add(name)
+
+    # See [Note: loading]: the model file (read whole), rank files i = rank (mod world size), and below
+    # the rank files this rank reads slices of; the verdict gather in `load` makes every rank hear of any.
+    n_saved = int(meta["world_size"])
+    verify(MODEL_FILE)
+    for r in range(engine.rank, n_saved, engine.world_size):
+        verify(rank_file(r, n_saved))
+    plan = _Plan(meta)
+    _read_model_file(engine, snapshot.path, meta, plan)
+    try:
+        used = _read_rank_files(engine, snapshot.path, meta, plan)
+    except Exception:
+        # Every rank opens every rank file's header; one another rank checks may be what broke
+        # the read: name the corruption rather than its symptom.
+        for r in range(n_saved):
+            verify(rank_file(r, n_saved))
+        raise
+    for r in sorted(used):
+        verify(rank_file(r, n_saved))
+    plan.hyper, plan.hyper_changes = _match_hyperparameters(engine, meta, meta_path)
+    return plan, snapshot
+
+
+def _read_model_file(engine, directory: str, meta: dict, plan: _Plan) -> None:
+    path = os.path.join(directory, MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is missing")
+    aliases = meta["aliases"]
+    expected = engine.module.state_dict(keep_vars=True)  # names and shapes only (stage 3: no data)
+    with _open_safetensors(path) as f:
+        stored = set(f.keys())
+        saved_names = stored | {a for a, target in aliases.items() if target in stored}
+        missing = [k for k in expected if k not in saved_names]
+        unexpected = sorted(saved_names - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"{path} does not match this model: missing {missing[:5]}"
+                             f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                             f"{' ...' if len(unexpected) > 5 else ''}")
+
+        def get(name: str) -> torch.Tensor:
+            key = aliases.get(name, name)
+            shape = tuple(f.get_slice(key).get_shape())
+            if shape != tuple(expected[name].shape):
+                raise ValueError(f"{path}: {name!r} has shape {shape} in the checkpoint, "
+                                 f"{tuple(expected[name].shape)} in this model")
+            return f.get_tensor(key)
+
+        param_ids = set()
+        for fp in engine.flat_params:
+            full = torch.zeros(fp.padded_numel, dtype=torch.float32)  # (padded_numel,) padding stays zero
+            for names, view, p in zip(fp.names, fp.views(full), fp.params):
+                view.copy_(get(names[0]))
+                param_ids.add(id(p))
+            plan.flats.append(full)
+        for name, t in expected.items():
+            if id(t) not in param_ids and name not in plan.buffers:
+                plan.buffers[name] = get(name)
+
+
+def _read_rank_files(engine, directory: str, meta: dict, plan: _Plan) -> set[int]:
+    """Assemble this rank's masters and optimizer states from whichever saved pieces overlap them.
+
+    Returns the saved ranks whose files it read tensor data from (every file's header is read).
+    """
+    n_saved = int(meta["world_size"])
+    kinds: dict[str, str] = meta["optimizer"]["state"]
+    aliases = meta["aliases"]
+    index: dict[tuple[str, str], list[tuple[int, int, int, str]]] = {}  # (kind, name) -> [(start, end, r, key)]
+    paths = [os.path.join(directory, rank_file(r, n_saved)) for r in range(n_saved)]
+    used: set[int] = set()
+    with contextlib.ExitStack() as stack:
+        files = []
+        for r, path in enumerate(paths):
+            if not os.path.isfile(path):
+                raise ValueError(f"{path} is missing: the checkpoint was written by {n_saved} ranks and every "
+                                 "rank file is needed")
+            f = stack.enter_context(_open_safetensors(path))
+            files.append(f)
+            for key in f.keys():
+                kind, name, start, end = parse_piece_key(key, meta["params"], path)
+                index.setdefault((kind, name), []).append((start, end, r, key))
+        # Scalar states (Adam's step) are equal for every master, since all of them step
+        # together; a master holding only padding takes them from the first master piece.
+        first_master_piece = next((pieces[0] for (kind, _), pieces in index.items() if kind == MASTER), None)
+
+        for fp, master in trainable_with_masters(engine):
+            base = master_start(fp, master)
+            size = master.numel()
+            values = torch.zeros(size, dtype=torch.float32)  # (master numel,) padding stays zero
+            states = {key: torch.zeros(size, dtype=torch.float32) for key, kind in kinds.items()
+                      if kind == "elementwise"}  # (master numel,) each
+            scalar_source = None  # (start, end, rank, key) of a master piece this master overlaps
+            for i, (offset, numel) in enumerate(zip(fp.layout.offsets, fp.layout.numels)):
+                lo, hi = max(base, offset), min(base + size, offset + numel)
+                if lo >= hi:
+                    continue
+                a, b = lo - offset, hi - offset  # the part of parameter i this master holds
+                at = lo - base  # ... and where it sits in the master
+                name = aliases.get(fp.names[i][0], fp.names[i][0])
+                pieces = index.get((MASTER, name), [])
+                used |= _fill(values[at:at + b - a], pieces, a, b, files, paths, name, MASTER)
+                for key, tensor in states.items():
+                    used |= _fill(tensor[at:at + b - a], index.get((f"state.{key}", name), []), a, b, files, paths,
+                                  name, f"state.{key}")
+                if scalar_source is None:
+                    scalar_source = next((pc for pc in pieces if pc[0] < b and pc[1] > a), None)
+            scalar_source = scalar_source or first_master_piece
+            for key, kind in kinds.items():
+                if kind == "scalar":
+                    if scalar_source is None:
+                        raise ValueError(f"{paths[0]}: no piece to take optimizer state {key!r} from")
+                    _s, _e, r, master_key = scalar_source
+                    used.add(r)
+                    state_key = f"state.{key}" + master_key[len(MASTER):]  # same name and range
+                    try:
+                        states[key] = files[r].get_tensor(state_key)
+                    except Exception as exc:
+                        raise ValueError(f"{paths[r]}: optimizer state {state_key!r} is missing ({exc})") from exc
+            plan.masters.append(values)
+            plan.states.append(states)
+    return used
+
+
+def _fill(out: torch.Tensor, pieces: list, a: int, b: int, files, paths, name: str, kind: str) -> set[int]:
+    """out[:] = elements [a, b) of `name`'s `kind`, copied from the overlapping saved pieces; returns their ranks."""
+    covered = torch.zeros(b - a, dtype=torch.bool)
+    used = set()
+    for start, end, r, key in pieces:
+        lo, hi = max(a, start), min(b, end)
+        if lo >= hi:
+            continue
+        sl = files[r].get_slice(key)
+        out[lo - a:hi - a] = sl[lo - start:hi - start]  # reads only this sub-range from disk
+        covered[lo - a:hi - a] = True
+        used.add(r)
+    if not bool(covered.all()):
+        first = int((~covered).nonzero()[0]) + a
+        raise ValueError(f"{kind} of parameter {name!r}: elements [{a}, {b}) are not all in the rank files "
+                         f"({os.path.dirname(paths[0])}/rank*-of-{len(paths)}.safetensors); element {first} is "
+                         "missing")
+    return used
+
+
+def _match_hyperparameters(engine, meta: dict, meta_path: str) -> tuple[list[dict], list[str]]:
+    """For each of this optimizer's groups, the hyperparameters its parameters were saved with; and what that
+    changes, one line per (group, key). See [Note: hyperparameters]."""
+    aliases = meta["aliases"]
+    saved_of = {name: group["hyperparameters"] for group in meta["optimizer"]["param_groups"]
+                for name in group["params"]}
+    fp_of_master = {id(m): fp for fp, m in trainable_with_masters(engine)}
+    out, changes = [], []
+    for group in engine.optimizer.param_groups:
+        names = [aliases.get(n[0], n[0]) for m in group["params"] if id(m) in fp_of_master
+                 for n in fp_of_master[id(m)].names]
+        hyper: dict = {}
+        first: dict[str, str] = {}  # key -> the parameter whose saved value the group takes
+        for name in names:
+            for key, value in saved_of.get(name, {}).items():  # every trainable name: its pieces were found
+                if key not in group:
+                    continue
+                if key not in hyper:
+                    hyper[key], first[key] = value, name
+                elif value != hyper[key]:
+                    raise ValueError(
+                        f"{meta_path}: {name!r} was saved with {key}={value} and {first[key]!r} with "
+                        f"{key}={hyper[key]}, but this engine steps both in one optimizer param group "
+                        f"({key}={json_number(group[key])}), which holds one value: build the engine with the "
+                        "param_groups of the run that saved the checkpoint (zk.shard(..., param_groups=...)), so "
+                        "that parameters saved with different hyperparameters are in different groups")
+        for key, value in hyper.items():
+            mine = json_number(group[key])
+            if mine != value:
+                others = len(names) - 1
+                changes.append(f"{key} {mine} -> {value} for {names[0]!r}"
+                               + (f" and {others} other parameter{'s' if others > 1 else ''}" if others else ""))
+        out.append(hyper)
+    return out, changes
+
+
+# ====================================================================== install
+def _install(engine, plan: _Plan) -> None:
+    """Write what `_read` assembled into the engine. No I/O, no collective."""
+    with torch.no_grad():
+        engine.load_flat_params(plan.flats)  # the stage's own storage: whole buffers, or shards
+        module_state = engine.module.state_dict(keep_vars=True)
+        for name, value in plan.buffers.items():
+            module_state[name].copy_(value)
+        optimizer = engine.optimizer
+        fused = {id(m): bool(g.get("fused") or g.get("capturable")) for g in optimizer.param_groups
+                 for m in g["params"]}
+        for (_fp, master), values, states in zip(trainable_with_masters(engine), plan.masters, plan.states):
+            master.copy_(values)  # fp32 master (under fp32 the param shard itself)
+            optimizer.set_state(master, {
+                key: (t.to(master.device, master.dtype) if t.dim() > 0
+                      else t.to(master.device) if fused[id(master)] else t.clone())
+                for key, t in states.items()})
+        for group, hyper in zip(optimizer.param_groups, plan.hyper):
+            for key, value in hyper.items():
+                if key in group:
+                    group[key] = tuple(value) if isinstance(group[key], tuple) else value
+    if engine.scaler is not None and plan.meta.get("loss_scaler") is not None:
+        engine.scaler.load_state_dict(plan.meta["loss_scaler"])
+    engine.zero_grad()  # also forgets a clip coefficient computed before the load
