@@ -19,7 +19,7 @@ construction (partition), the gradient hook (`reduce_grads`), the end of backwar
 `zero_grad`, then whatever of `state_dict`, what it holds (`memory_tensors`,
 `norm_shards`) and `load_flat_params` differs from the defaults here (written for stages
 0-2, whose parameters are whole). Saving and loading themselves are generic
-(zerokit/checkpoint.py, mixed into each stage's engine), driven by `flat_params` and the
+(zerokit/checkpoint/, mixed into each stage's engine), driven by `flat_params` and the
 optimizer's master shards; core depends on no feature module.
 
 [Note: recovery after an exception]

@@ -35,7 +35,7 @@ The all-gather that brings the updated shards back into full buffers is the stag
 
 The stage passes the grad shards to every step rather than once: stage 0 under a distinct
 reduce dtype hands over the reduce-dtype buffer its all-reduce filled, for that step only.
-Checkpoints (zerokit/checkpoint.py) read and write states through `state_of` / `set_state`
+Checkpoints (zerokit/checkpoint/) read and write states through `state_of` / `set_state`
 and the hyperparameters through `param_groups`.
 """
 from __future__ import annotations
