@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import zerokit.core.gather as gather  # noqa: E402
 from zerokit.core.comm import Comm  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
 from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
@@ -65,7 +66,8 @@ def _comms(world_size: int) -> tuple[Comm, Comm | None]:
     if world_size != 2:
         return comm, None
     before = Comm()
-    before._fill_rows_from_ranks = lambda rows: _broadcasts(before, rows)
+    fill = gather.fill_rows_from_ranks
+    gather.fill_rows_from_ranks = lambda c, rows: _broadcasts(c, rows) if c is before else fill(c, rows)
     return comm, before
 
 
@@ -154,7 +156,7 @@ def _many(rank: int, world_size: int, comm: Comm, before: Comm | None, cfg: dict
     inputs = [output.view(world_size, -1)[rank] for output in outputs]
     for shard in inputs:
         shard.copy_(torch.randn(shard.numel(), generator=g))
-    calls_of = {MANY_WAYS[0]: lambda: comm._coalesced_gather(outputs, inputs).wait(),
+    calls_of = {MANY_WAYS[0]: lambda: gather.coalesced_gather(comm, outputs, inputs).wait(),
                 MANY_WAYS[1]: lambda: comm.all_gather_many(outputs, inputs).wait()}
     if before is not None:
         calls_of[MANY_WAYS[2]] = lambda: before.all_gather_many(outputs, inputs).wait()

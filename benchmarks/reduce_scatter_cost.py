@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from zerokit.core.comm import Comm  # noqa: E402
+from zerokit.core.ordered import rows_reduce_scatter  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
 from _results import command_line, provenance, provenance_lines, write_pair  # noqa: E402  (benchmarks/_results.py)
 from gather_cost import allocated_while, slowest_rank_median, timed_rounds  # noqa: E402
@@ -48,7 +49,7 @@ def _reduce_scatter(way: str, comm: Comm, output: torch.Tensor, input: torch.Ten
     if way == WAYS[0]:
         dist.reduce_scatter_tensor(output, input, async_op=True).wait()
     elif way == WAYS[1]:
-        comm._rows_reduce_scatter(output, input, async_op=True).wait()
+        rows_reduce_scatter(comm, output, input, async_op=True).wait()
     else:
         comm.reduce_scatter(output, input, async_op=True).wait()
 

@@ -145,10 +145,15 @@ def gather_many(comm, outputs: list[torch.Tensor], inputs: list[torch.Tensor], c
     if not coalesce or len(outputs) == 1 or _torch_checks_each_collective():
         return [dist.all_gather_single(output, input, group=comm.group, async_op=True)
                 for output, input in zip(outputs, inputs)], (), None
+    return coalesced_gather(comm, outputs, inputs).works, (), None
+
+
+def coalesced_gather(comm, outputs: list[torch.Tensor], inputs: list[torch.Tensor]):
+    """torch's coalesced all-gathers (NCCL's way: it receives in place); something with `works` and `wait()`."""
     with dist._coalescing_manager(group=comm.group, async_ops=True) as coalesced:
         for output, input in zip(outputs, inputs):
             dist.all_gather_single(output, input, group=comm.group)
-    return coalesced.works, (), None
+    return coalesced
 
 
 def _packed_gather(comm, outputs: list[torch.Tensor], inputs: list[torch.Tensor]):
