@@ -1,6 +1,6 @@
-"""The only module that issues `torch.distributed` collectives on zerokit's behalf.
-
-Every stage talks to the other ranks through one `Comm` object. It owns:
+"""`Comm`: the collective API. Every stage talks to the other ranks through one `Comm` object, and only
+through it (its recipes, in core/ordered.py, core/gather.py and core/recorder.py, are called from here).
+It owns:
 
 * the process group (passed explicitly; `None` means the default group, and no initialised group at all
   means world size 1, where every collective is an identity);
