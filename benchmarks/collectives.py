@@ -35,9 +35,9 @@ Reduce-scatter mode (`--reduce-scatter`): What a reduce-scatter costs on gloo at
 
 core/comm.py [Note: ordered reduction]: on gloo zerokit reduce-scatters by an all-to-all and a local
 sum, never by gloo's own reduce-scatter (an all-reduce of the whole buffer inside). The general
-recipe (`Comm._rows_reduce_scatter`) receives every rank's contribution to this rank's range, its own
+recipe (`core/ordered.py`'s `rows_reduce_scatter`) receives every rank's contribution to this rank's range, its own
 included, as N rows of an (N·m,) buffer and sums them in rank order. At 2 ranks, `Comm.reduce_scatter`
-exchanges halves instead (`Comm._exchange_halves`): each rank sends the peer's half, receives the
+exchanges halves instead (`core/ordered.py`'s `exchange_halves`): each rank sends the peer's half, receives the
 peer's part of its own half into an (m,) buffer and adds its own half to it, one addition per
 element, the same bits.
 
@@ -66,7 +66,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import zerokit.core.gather as gather  # noqa: E402
 from zerokit.core.comm import Comm  # noqa: E402
+from zerokit.core.ordered import rows_reduce_scatter  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
 from zerokit.provenance import command_line, provenance, provenance_lines, write_pair  # noqa: E402
 
@@ -88,7 +90,8 @@ def _comms(world_size: int) -> tuple[Comm, Comm | None]:
     if world_size != 2:
         return comm, None
     before = Comm()
-    before._fill_rows_from_ranks = lambda rows: _broadcasts(before, rows)
+    fill = gather.fill_rows_from_ranks
+    gather.fill_rows_from_ranks = lambda c, rows: _broadcasts(c, rows) if c is before else fill(c, rows)
     return comm, before
 
 
@@ -177,7 +180,7 @@ def _many(rank: int, world_size: int, comm: Comm, before: Comm | None, cfg: dict
     inputs = [output.view(world_size, -1)[rank] for output in outputs]
     for shard in inputs:
         shard.copy_(torch.randn(shard.numel(), generator=g))
-    calls_of = {MANY_WAYS[0]: lambda: comm._coalesced_gather(outputs, inputs).wait(),
+    calls_of = {MANY_WAYS[0]: lambda: gather.coalesced_gather(comm, outputs, inputs).wait(),
                 MANY_WAYS[1]: lambda: comm.all_gather_many(outputs, inputs).wait()}
     if before is not None:
         calls_of[MANY_WAYS[2]] = lambda: before.all_gather_many(outputs, inputs).wait()
@@ -298,7 +301,7 @@ def _rs_reduce_scatter(way: str, comm: Comm, output: torch.Tensor, input: torch.
     if way == RS_WAYS[0]:
         dist.reduce_scatter_tensor(output, input, async_op=True).wait()
     elif way == RS_WAYS[1]:
-        comm._rows_reduce_scatter(output, input, async_op=True).wait()
+        rows_reduce_scatter(comm, output, input, async_op=True).wait()
     else:
         comm.reduce_scatter(output, input, async_op=True).wait()
 
@@ -376,10 +379,10 @@ def _rs_markdown(r: dict) -> str:
         "rank; medians of the rounds",
         "", *rs_table(r["rows"]), "",
         "\"torch\": `dist.reduce_scatter_tensor(output, input, async_op=True).wait()` (gloo: an all-reduce of the "
-        "whole input inside). \"N rows\": `Comm._rows_reduce_scatter`, zerokit's recipe at 3+ ranks: an all-to-all "
+        "whole input inside). \"N rows\": `core/ordered.py`'s `rows_reduce_scatter`, zerokit's recipe at 3+ ranks: an all-to-all "
         "of the whole input into an (N·m,) buffer, every rank's contribution to this rank's range as a row, its own "
         "included, summed in rank order. \"halves\": what `Comm.reduce_scatter` does at 2 ranks "
-        "(`Comm._exchange_halves`): an all-to-all with empty splits for the rank itself, the peer's half out, the "
+        "(`core/ordered.py`'s `exchange_halves`): an all-to-all with empty splits for the rank itself, the peer's half out, the "
         "peer's part of this rank's half into an (m,) buffer, added to the own half (core/comm.py [Note: ordered "
         "reduction]). \"same bits\": every way's output equal bit for bit on both ranks (at 2 ranks each is one "
         "addition per element). \"Bytes allocated in flight\": every allocation torch.profiler records during one "

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import zerokit as zk
 from common import (OddBlock, allocations_while, assert_callers_buffers_freed, callers_buffers_cases, odd_batch,
                     odd_model)
-import zerokit.core.comm as comm_module
+import zerokit.core.gather as gather_module
 from zerokit.core.comm import Comm
 from zerokit.core.grad_reduce import GradReduction
 from zerokit.launch import run_ranks
@@ -208,12 +208,12 @@ def _gather_allocations(rank, world_size):
         inputs = [torch.full((k,), float(rank), dtype=dtype) for k in (700, 1500)]
         seen += allocations_while(lambda: comm.all_gather_many(outputs, inputs, coalesce=False).wait())
         # coalesced, each output above the group limit: broadcasts too (the limit made small for the test)
-        limit, comm_module.GLOO_COALESCE_NUMEL = comm_module.GLOO_COALESCE_NUMEL, 1000
+        limit, gather_module.GLOO_COALESCE_NUMEL = gather_module.GLOO_COALESCE_NUMEL, 1000
         try:
             big = [torch.empty(world_size * k, dtype=dtype) for k in (700, 1500)]
             seen += allocations_while(lambda: comm.all_gather_many(big, inputs, coalesce=True).wait())
         finally:
-            comm_module.GLOO_COALESCE_NUMEL = limit
+            gather_module.GLOO_COALESCE_NUMEL = limit
         right = (torch.equal(full, expected) and torch.equal(in_place, expected)
                  and all(torch.equal(o, torch.arange(world_size, dtype=dtype).repeat_interleave(o.numel() // world_size))
                          for o in outputs + big))

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from common import allocations_while, assert_callers_buffers_freed, callers_buffers_cases
 from zerokit.core.comm import Comm, Simulated
+from zerokit.core.ordered import rows_reduce_scatter
 from zerokit.launch import run_ranks
 
 
@@ -45,7 +46,7 @@ def _cases(rank, world_size):
         expected = (both[0] + both[1])[rank * (numel // 2):(rank + 1) * (numel // 2)]  # one addition per element
         for name, comm in (("ordered", Comm(ordered=True)), ("tree", Comm(tree=True))):
             rows_way = torch.empty(numel // 2, dtype=dtype)
-            comm._rows_reduce_scatter(rows_way, local.clone(), async_op=True).wait()
+            rows_reduce_scatter(comm, rows_way, local.clone(), async_op=True).wait()
             seen = []
             restore = _watching_all_to_all(seen)
             try:

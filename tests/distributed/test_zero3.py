@@ -90,7 +90,7 @@ def _one_step_ledgers(rank, world_size, stage, **kw):
     engine.backward(engine(x, y))
     engine.step()  # warm-up: the optimizer states now exist
     engine.comm.reset_stats()
-    with engine.comm.record() as trace:
+    with engine.comm.recorder.recording() as trace:
         engine.zero_grad()
         engine.backward(engine(x, y))
         engine.step()

@@ -188,11 +188,11 @@ def test_freed_gradient_buffers_are_really_freed(stage):
 
 @given(st.lists(st.integers(1, 50), min_size=0, max_size=30), st.integers(0, 120))
 def test_gloo_gathers_coalesce_in_consecutive_groups_under_the_limit(numels, limit):
-    """core/comm.py [Note: gloo's all-gather temporary]: every output in exactly one group, in order; a group of
+    """core/gather.py [Note: gloo's all-gather temporary]: every output in exactly one group, in order; a group of
     two or more holds at most `limit` elements; a group closes only when the next output would not fit."""
-    from zerokit.core.comm import _coalesce_groups
+    from zerokit.core.gather import coalesce_groups
 
-    groups = _coalesce_groups(numels, limit)
+    groups = coalesce_groups(numels, limit)
     assert [i for g in groups for i in g] == list(range(len(numels)))
     for g, nxt in zip(groups, groups[1:] + [None]):
         total = sum(numels[i] for i in g)

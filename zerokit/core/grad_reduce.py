@@ -55,7 +55,7 @@ from __future__ import annotations
 import torch
 
 from zerokit.core.bucketing import plan_all_reduce_groups
-from zerokit.core.comm import free_storage
+from zerokit.core.gather import free_storage
 from zerokit.core.flat_param import FlatParamLayout, summarize_names
 from zerokit.core.tree import PartialSums
 

@@ -23,7 +23,7 @@ step and stays a replica. The gradient is pre-divided by N (not S): the average 
 rank's batch, as at stage 0 at world size N.
 
 Bit for bit equal to stage 0 at the same N. Stage 0's ordered sum adds an element's N
-contributions in global rank order, ((g0 + g1) + g2) + g3 (core/comm.py [Note: ordered
+contributions in global rank order, ((g0 + g1) + g2) + g3 (core/ordered.py [Note: ordered
 reduction]); step 2 as an all-reduce of per-node sums would compute (g0 + g1) + (g2 + g3),
 different bits. So the ordered recipe keeps the node's raw contributions apart and chains the
 nodes: step 1 is an all-to-all (rank p of node k receives its node's S rows of range p), and
@@ -52,7 +52,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from zerokit.core.comm import Comm, Handle, _nbytes, _shares_storage, _take_back, free_storage, profiled
+from zerokit.core.comm import Comm, Handle, _nbytes, profiled
+from zerokit.core.gather import free_storage, shares_storage, take_back
 from zerokit.core.estimate import resolve_shard_group_size
 from zerokit.core.tree import is_power_of_two, pairwise_sum_
 
@@ -192,34 +193,34 @@ class HybridComm(Comm):
         s = self.world_size
         assert input.numel() == output.numel() * s, (input.numel(), output.numel(), s)
         self._record("reduce_scatter", input, label, phase)
-        self._count("reduce_scatter", _nbytes(input), input.numel(), phase)
+        self._count("reduce_scatter", _nbytes(input), phase)
         across = f"{label} across shard groups"
         self.replicate._record("all_reduce", output, across, phase)
-        self.replicate._count("all_reduce", 2 * _nbytes(output), output.numel(), phase)
+        self.replicate._count("all_reduce", 2 * _nbytes(output), phase)
         with profiled("zerokit::reduce_scatter"), self.report_failure():
             if not self.ordered:  # native: reduce-scatter in the node, all-reduce of the shard across nodes
-                work, lent = None, ()  # lent: core/comm.py [Note: frees at a fixed point]
+                work, lent = None, ()  # lent: core/gather.py [Note: frees at a fixed point]
                 if s == 1:
                     output.copy_(input)
-                elif _shares_storage(output, input):
+                elif shares_storage(output, input):
                     result = torch.empty_like(output)
                     sent = self._lend(input)
                     dist.reduce_scatter_single(result, sent, group=self.group)
-                    _take_back((sent,))
+                    take_back((sent,))
                     output.copy_(result)
-                    free_storage(result)  # core/comm.py [Note: frees at a fixed point]
+                    free_storage(result)  # core/gather.py [Note: frees at a fixed point]
                 else:
                     lent = (self._lend(output), self._lend(input))
                     work = dist.reduce_scatter_single(lent[0], lent[1], group=self.group, async_op=True)
                 handle = Handle(work, lambda: dist.all_reduce(output, group=self.replicate.group), comm=self,
                                 local=False, lent=lent)  # its finish is a collective: never run early
             else:
-                lent = self._lend(input)  # core/comm.py [Note: frees at a fixed point]
+                lent = self._lend(input)  # core/gather.py [Note: frees at a fixed point]
                 rows, work = self._node_rows(lent)
 
                 def finish():
                     (self._tree_across if self.tree else self._chain_across)(output, rows)
-                    free_storage(rows)  # the receive buffer: core/comm.py [Note: frees at a fixed point]
+                    free_storage(rows)  # the receive buffer: core/gather.py [Note: frees at a fixed point]
 
                 handle = Handle(work, finish, comm=self, local=False, lent=(lent,))  # the chain across nodes
                 # is collectives

@@ -88,7 +88,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from zerokit.core.comm import free_storage
+from zerokit.core.gather import free_storage
 from zerokit.core.config import WrapPolicy, wrap_matcher
 from zerokit.core.flat_param import FlatParamLayout, ParamInfo, summarize_names
 from zerokit.core.model_guard import move_hint

@@ -79,7 +79,7 @@ import torch
 from torch import nn
 
 from zerokit.checkpoint import Checkpointing
-from zerokit.core.comm import free_storage
+from zerokit.core.gather import free_storage
 from zerokit.core.config import ShardConfig
 from zerokit.core.engine import Engine
 from zerokit.core.flat_param import FlatParamLayout, FlatParamState, build_flat_params
