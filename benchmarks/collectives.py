@@ -4,13 +4,13 @@
     python benchmarks/collectives.py --nproc 2 4 8 --numel 15744 111840 1048576 --calls 200 --rounds 5 \
         --many 73728 73728 73728 73728 73728 73728 5184 15456
 
-core/comm.py [Note: gloo's all-gather temporary]: gloo's all-gather receives into a buffer of its
+core/gather.py [Note: gloo's all-gather temporary]: gloo's all-gather receives into a buffer of its
 own, the output's size, for as long as the collective runs, and torch's wrapper allocates and frees
 another as the gather is issued. zerokit gathers on gloo (when it does not coalesce several outputs
 into one collective) into the output's rows in place: N broadcasts, rank r's from row r of the output,
 or at 2 ranks one all-to-all (this rank's row to the peer, the peer's into its row). At 2 ranks the
 broadcasts, zerokit's way before, are timed beside it ("zerokit, N broadcasts": the same Comm with
-`_fill_rows_from_ranks` issuing broadcasts at every world size); at 3+ ranks they are zerokit's way.
+core/gather.py `fill_rows_from_ranks` issuing broadcasts at every world size); at 3+ ranks they are zerokit's way.
 
 Several outputs at once (`--many`: by default the 8 buckets stages 1 and 2 gather after the step for the
 `small` model, 463,008 elements): torch's coalesced all-gather (gloo concatenates the inputs, gathers
@@ -33,7 +33,7 @@ Reduce-scatter mode (`--reduce-scatter`): What a reduce-scatter costs on gloo at
     python benchmarks/collectives.py --reduce-scatter             # three sizes, 2 gloo ranks
     python benchmarks/collectives.py --reduce-scatter --numel 65536 1048576 --calls 200 --rounds 5
 
-core/comm.py [Note: ordered reduction]: on gloo zerokit reduce-scatters by an all-to-all and a local
+core/ordered.py [Note: ordered reduction]: on gloo zerokit reduce-scatters by an all-to-all and a local
 sum, never by gloo's own reduce-scatter (an all-reduce of the whole buffer inside). The general
 recipe (`core/ordered.py`'s `rows_reduce_scatter`) receives every rank's contribution to this rank's range, its own
 included, as N rows of an (N·m,) buffer and sums them in rank order. At 2 ranks, `Comm.reduce_scatter`
@@ -271,7 +271,7 @@ def _markdown(r: dict) -> str:
         "\"torch\": `dist.all_gather_into_tensor(output, shard, async_op=True).wait()`. \"zerokit\": "
         "`Comm.all_gather(output, shard, async_op=True).wait()`, which on gloo fills the output's rows in place: "
         "at 2 ranks one all-to-all (this rank's row to the peer, the peer's into its row), at 3+ ranks N "
-        "broadcasts, rank r's from row r (core/comm.py [Note: gloo's all-gather temporary]). \"zerokit by "
+        "broadcasts, rank r's from row r (core/gather.py [Note: gloo's all-gather temporary]). \"zerokit by "
         "broadcasts\": the same Comm issuing N broadcasts at 2 ranks too, zerokit's way there before. All give "
         "the same bits. \"Bytes allocated in flight\": every allocation torch.profiler records during one gather "
         "and its wait (issuing thread and gloo's workers), summed: torch's is two buffers of the output's size "
@@ -285,7 +285,7 @@ def _markdown(r: dict) -> str:
             "`torch.distributed._coalescing_manager` "
             "(what zerokit's stages 1-2 used after the step before): gloo concatenates the inputs, gathers into one "
             "buffer of every output's size and copies the rows out. \"zerokit packed\": `Comm.all_gather_many` (core/"
-            "comm.py [Note: gloo's all-gather temporary]): the inputs copied into this rank's row of one (N, Σ m) "
+            "gather.py [Note: gloo's all-gather temporary]): the inputs copied into this rank's row of one (N, Σ m) "
             "staging buffer, the other rows filled from their ranks (at 2 ranks one all-to-all; \"by broadcasts\": one "
             "broadcast from each rank, as before), the rows copied out, the staging freed. Each input is "
             "this rank's own row of its output, as at stages 1-2; both give the same bits (checked in the "

@@ -64,7 +64,7 @@ carry c10's "Total Allocated", with a probe (a marker around a 4-byte allocation
 the build and at every boundary. That counter has two faults for this purpose, both met here:
 (1) it is updated only on a thread where profiling is enabled, so frees (and allocations) made
 on gloo's worker threads are missing, and a collective's buffer whose last reference gloo drops
-stays counted (benchmarks/cpu_frees.py shows it); (2) it is one counter for the process, carried
+stays counted (benchmarks/investigations/cpu_frees.py shows it); (2) it is one counter for the process, carried
 from one profiled run to the next. (2) is met by counting from the probe before the build; (1)
 by setting c10's `caffe2_report_cpu_memory_usage` flag for the pass (`_all_threads_counter`: the
 flag has no Python binding, so it is set through ctypes on libc10's global and put back after),
@@ -191,7 +191,7 @@ MARK, BASE = "zerokit.speed_vs_torch.boundary", "zerokit.speed_vs_torch.base"
 ALLOCATOR_CPU = ("torch.profiler(profile_memory=True) events' Total Allocated, with c10's "
                  "caffe2_report_cpu_memory_usage set so that every thread's allocations and frees count")
 ALLOCATOR_CPU_MAIN = ("torch.profiler(profile_memory=True), main thread only: frees made on gloo's threads are not "
-                      "seen (benchmarks/cpu_frees.py), so an unseen free counts as live until its address is reused")
+                      "seen (benchmarks/investigations/cpu_frees.py), so an unseen free counts as live until its address is reused")
 ALLOCATOR_CUDA = "torch.cuda.max_memory_allocated (reset at every boundary) / torch.cuda.memory_allocated"
 
 
@@ -225,7 +225,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reduction", default="default", choices=["default", "ordered", "native"],
                    help="zerokit's gradient reduction: its default (ordered on gloo, native on NCCL), the ordered "
                         "all-to-all + rank-order sum + all-gather, or the native all-reduce / reduce-scatter "
-                        "(see zerokit/core/comm.py [Note: ordered reduction])")
+                        "(see zerokit/core/ordered.py [Note: ordered reduction])")
     p.add_argument("--peers", default="default", choices=["default", "plain"],
                    help="default: torch DDP / ZeroRedundancyOptimizer / FSDP1 / FSDP2 on --nproc ranks; plain: torch "
                         "on one device without a wrapper, in this process (needs --nproc 1; see the module docstring)")
@@ -1012,7 +1012,7 @@ def allocator_note(record: dict) -> str:
         return text + ("CPU: the Total Allocated of `torch.profiler.profile(profile_memory=True)`'s allocator events, "
                        "with c10's `caffe2_report_cpu_memory_usage` flag set for the pass so that frees and "
                        "allocations on gloo's worker threads count too (without it they do not: "
-                       "benchmarks/cpu_frees.py). The events are recorded on the main thread only, so the counter "
+                       "benchmarks/investigations/cpu_frees.py). The events are recorded on the main thread only, so the counter "
                        "is read at each of its allocations and frees: a buffer a gloo thread allocates and frees "
                        "between two of them is not in a peak. Counting the main thread's events alone would have "
                        f"left up to {unseen:,} bytes freed on gloo's threads counted as live in one run's measured "
@@ -1020,7 +1020,7 @@ def allocator_note(record: dict) -> str:
     return text + ("CPU: rebuilt from `torch.profiler.profile(profile_memory=True)` allocation events, which are "
                    "recorded on the main thread only (c10's all-threads counter flag was not available here): what "
                    "gloo's worker threads allocate is missing, and a block they free is counted live until its "
-                   "address is allocated again (benchmarks/cpu_frees.py shows the profiler missing such frees). These "
+                   "address is allocated again (benchmarks/investigations/cpu_frees.py shows the profiler missing such frees). These "
                    "are main-thread bytes, upper bounds as to frees on gloo's threads; the most bytes corrected by "
                    f"address reuse in one run's measured steps: {unseen:,} (`unseen_free_bytes` in the JSON).")
 

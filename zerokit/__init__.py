@@ -88,7 +88,7 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     LossScaler keywords for fp16 (init_scale, growth_interval, hysteresis, ...).
     `reduce_dtype` (e.g. torch.float32 with precision="bf16") is the dtype gradients are
     reduced and their shards kept in (default: the param dtype; see core/grad_reduce.py).
-    `ordered_reduction`: see core/comm.py [Note: ordered reduction] (None = ordered on
+    `ordered_reduction`: see core/ordered.py [Note: ordered reduction] (None = ordered on
     gloo, native on NCCL). `comm` replaces `group`/`ordered_reduction` with a ready Comm
     (for example a simulated rank of a larger world). `accumulate` (stage 2 only): how
     gradients accumulate under `no_sync()` — "reduce_scatter" every micro-step into the
@@ -104,7 +104,7 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     raises at once on every rank, naming what each rank was doing in ZeRO terms ("rank 0 is
     reduce-scattering bucket 3 (blocks.2.*), rank 1 is all-gathering unit blocks.0") instead of
     hanging until the process group's timeout. Costs one small all-gather per collective; training
-    is bitwise unchanged (core/comm.py [Note: debug mode]). With `comm=`, it sets `comm.debug`.
+    is bitwise unchanged (core/recorder.py [Note: debug mode]). With `comm=`, it sets `comm.debug`.
     `reduction="tree"` (every stage and precision): the step's micro-batch gradients are summed
     in one fixed binary tree — pairwise partial sums on each rank under `no_sync()`, pairwise
     across ranks, an exact gradient norm — so a run's bits do not depend on the world size: one

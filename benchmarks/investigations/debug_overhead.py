@@ -3,7 +3,7 @@
     python benchmarks/investigations/debug_overhead.py                    # 2 gloo ranks, model small, stages 0-3
     python benchmarks/investigations/debug_overhead.py --nproc 2 --model small --steps 20 --warmup 3 --rounds 3
 
-Debug mode (core/comm.py [Note: debug mode]) adds, before every collective, one all-gather of a
+Debug mode (core/recorder.py [Note: debug mode]) adds, before every collective, one all-gather of a
 (2,) int64 fingerprint per rank, and one such check per optimizer step; nothing else changes (the
 collectives, their order and the numbers trained are the same: tests/distributed/test_debug_mode.py).
 Its cost is therefore a latency per collective, which this measures in place: one spawn of
@@ -156,7 +156,7 @@ def _markdown(r: dict) -> str:
              f"{_check_line(r)}.", "",
              "Debug mode adds one all-gather of a (2,) int64 fingerprint per rank before each collective, one "
              "per optimizer step, and on gloo one before the all-gather half of each (ordered) all-reduce "
-             "(core/comm.py [Note: debug mode]); the CPU waits for each, so async collectives overlap less. "
+             "(core/recorder.py [Note: debug mode]); the CPU waits for each, so async collectives overlap less. "
              "\"losses equal\": every run of the stage, with and without debug mode, in every round, trained the "
              "same losses (the same floats) on each rank."]
     return "\n".join(lines) + "\n"

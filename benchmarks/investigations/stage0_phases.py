@@ -66,7 +66,7 @@ def ddp_all_reduces(ddp) -> int:
 
 def phases_rank(rank: int, world_size: int, cfg: dict, build=_build, runs: tuple[str, ...] = RUNS) -> dict:
     """Every run in `runs`, built by `build(name, cfg)`, `rounds` times: each phase's per-round medians
-    (benchmarks/stage1_phases.py passes its own runs)."""
+    (benchmarks/investigations/stage1_phases.py passes its own runs)."""
     batches = S._batches(cfg, rank, world_size, torch.device("cpu"), cfg["steps"])
     out = {name: {"ms": {p: [] for p in PHASES}, "whole_ms": []} for name in runs}
     for r in range(cfg["rounds"]):

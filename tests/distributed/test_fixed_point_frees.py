@@ -2,7 +2,7 @@
 fixed point]), not whenever the process group's worker thread lets go of the Work.
 
 One spawn of 3 gloo ranks (3: an ordered all-reduce is not the native one there: an all-to-all, a
-sum, an all-gather; core/comm.py [Note: ordered reduction]). Each case captures the temporary as the
+sum, an all-gather; core/ordered.py [Note: ordered reduction]). Each case captures the temporary as the
 collective is issued and checks, right after the wait, that its storage is 0 bytes while the result
 is right. On the old code each check fails deterministically: the captured tensor kept its bytes
 until its last reference went. The same spawn checks where the ordered all-reduce's all-gather
@@ -73,7 +73,7 @@ def _cases(rank, world_size):
     reduction.reduce_scatter(grad_shard).wait()
     out["reduce_dtype_copy"] = (torch.equal(grad_shard, torch.full((3,), 0.5)), [_nbytes(send)])
     out["in_place"] = {}
-    # 4-5. stages 1 and 2: the post-step all-gather is in place, no temporary at all (core/comm.py
+    # 4-5. stages 1 and 2: the post-step all-gather is in place, no temporary at all (core/gather.py
     # [Note: in-place gathers]): each input is this rank's own row of its output
     for stage in (1, 2):
         engine = zk.shard(odd_model(), torch.optim.AdamW, stage=stage, lr=1e-2)
@@ -102,7 +102,7 @@ def _cases(rank, world_size):
 
 
 def _packed_gathers(rank, world_size):
-    """core/comm.py [Note: gloo's all-gather temporary], several outputs in one group: packed into a staging
+    """core/gather.py [Note: gloo's all-gather temporary], several outputs in one group: packed into a staging
     buffer per dtype, a broadcast from each rank, copied out. Mixed dtypes, inputs that are the own rows of
     their outputs and inputs of their own. Returns (right rows, every allocation of at least a row's bytes
     while it ran, the staging buffers' sizes expected, bytes the staging holds after the wait)."""
@@ -190,7 +190,7 @@ def _finishing_what_has_arrived(rank, world_size):
 
 
 def _gather_allocations(rank, world_size):
-    """core/comm.py [Note: gloo's all-gather temporary]: a gather that is not coalesced, or coalesced but
+    """core/gather.py [Note: gloo's all-gather temporary]: a gather that is not coalesced, or coalesced but
     larger than GLOO_COALESCE_NUMEL, allocates nothing on gloo, however it is called (one output, several, in
     place, any float dtype), and gathers the right rows."""
     comm = Comm()
@@ -334,7 +334,7 @@ def test_stages_1_and_2_gather_their_updated_shards_in_place(results):
 
 def test_the_all_gather_halves_of_stage0_go_out_together_after_the_last_all_to_all(results):
     """Stage 0 at 3 ranks: each all-reduce group's all-to-all in backward as the group fills, then the groups'
-    all-gathers together, still in backward: on gloo one packed gather, a broadcast from each rank (core/comm.py
+    all-gathers together, still in backward: on gloo one packed gather, a broadcast from each rank (core/gather.py
     [Note: gloo's all-gather temporary]); every receive buffer freed by then."""
     for rank, out in enumerate(results):
         seq = out["sequences"]["stage0"]

@@ -1,6 +1,6 @@
-"""Collectives that avoid copies: the ordered reduce-scatter at 2 ranks exchanges halves (core/comm.py
-`Comm._exchange_halves`), and an all-gather may take this rank's own row of its output as its input
-(core/comm.py [Note: in-place gathers]).
+"""Collectives that avoid copies: the ordered reduce-scatter at 2 ranks exchanges halves
+(core/ordered.py `exchange_halves`), and an all-gather may take this rank's own row of its output as its
+input (core/gather.py [Note: in-place gathers]).
 
 One spawn of 2 gloo ranks. For each dtype and comm (rank order, tree), a reduce-scatter in place (the
 output is this rank's half of the input, as at stage 1) and one into an output of its own (stages 2
@@ -10,7 +10,7 @@ buffer of the output's size (the N-row recipe's is the input's), and that buffer
 by the time wait() returns. In-place gathers, every path (one output: on gloo at 2 ranks one all-to-all;
 several: coalesced, or not; simulated), give the rows a gather of separate inputs gives; an input that
 overlaps its output anywhere else is refused before anything is issued. A gather at 2 ranks is watched too
-(core/comm.py [Note: gloo's all-gather temporary]): one all-to-all per output (or per packed group), no
+(core/gather.py [Note: gloo's all-gather temporary]): one all-to-all per output (or per packed group), no
 broadcast, the own row sent as it is and the peer's received in place, nothing allocated beside a packed
 group's staging.
 """
@@ -182,7 +182,7 @@ def test_a_completed_collective_at_two_ranks_holds_none_of_the_callers_bytes(res
 
 def test_a_gather_at_two_ranks_is_one_exchange_in_place(results):
     """One all-to-all per output (one per dtype when packed), never a broadcast: at 2 ranks one rendezvous fills
-    the peer's row (benchmarks/gather_cost.py: 2 broadcasts cost twice the time). Without packing the all-to-all
+    the peer's row (benchmarks/collectives.py times the two). Without packing the all-to-all
     sends the own row where it lies and receives straight into the peer's row, allocating nothing; packed, the
     one staging buffer per dtype is the only allocation of a row's size."""
     for rank, out in enumerate(results):

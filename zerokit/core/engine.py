@@ -32,7 +32,7 @@ result with the gradients, and frees stage 3's units, so training continues as i
 had never started (torch DDP refuses the next forward instead). This is exact when every rank
 raised at the same point, so that every rank issued the same collectives; when only some did,
 the ranks' collectives no longer pair up and nothing local can repair that. Under debug=True
-(core/comm.py [Note: debug mode]) the recovering ranks' zero_grad is a checked sync point, so
+(core/recorder.py [Note: debug mode]) the recovering ranks' zero_grad is a checked sync point, so
 every rank raises at its next collective, saying to rebuild the engine; without it gloo may
 abort, a rank may wait until the group's timeout, or values could mix where sizes match.
 """
@@ -373,7 +373,7 @@ class Engine(GradPath, UserGrads):
         if self.world_size == 1:
             return  # the shard is the whole buffer and was updated in place
         # Each input is this rank's own range of its output: an in-place gather, no copy of the shard
-        # (core/comm.py [Note: in-place gathers]). Issued together: one round of latency, not one per
+        # (core/gather.py [Note: in-place gathers]). Issued together: one round of latency, not one per
         # bucket (on gloo packed into one staging buffer per group of at most GLOO_COALESCE_NUMEL elements,
         # whose rows are filled from every rank: [Note: gloo's all-gather temporary]).
         self.comm.all_gather_many([self.flat_data[fp.index] for fp in self.trainable],

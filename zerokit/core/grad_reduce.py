@@ -32,7 +32,7 @@ there were none), which is then what `copied` compares the gradient buffer again
 
 Every stage reduces through this class and nothing else, which is what keeps the stages
 bitwise equal to each other under any reduce dtype: cast and scale are elementwise, and the
-rank-ordered reduction (core/comm.py [Note: ordered reduction]) makes the sum of an element
+rank-ordered reduction (core/ordered.py [Note: ordered reduction]) makes the sum of an element
 independent of the buffer it sits in.
 
 [Note: all-reduce groups]
@@ -132,7 +132,7 @@ class GradReduction:
             self.result, self._add_into = self._add_into, None
         for t in self.transient:
             if t is not self.result:
-                free_storage(t)  # now, on this thread: core/comm.py [Note: frees at a fixed point]
+                free_storage(t)  # now, on this thread: core/gather.py [Note: frees at a fixed point]
         self.transient = [t for t in self.transient if t is self.result]
 
 

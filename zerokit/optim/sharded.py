@@ -85,7 +85,7 @@ class ShardedOptimizer:
         inverse loss scale): the stage clears it before the next backward anyway.
         """
         assert len(grad_shards) == len(self.master_shards), (len(grad_shards), len(self.master_shards))
-        # Debug mode: a rank that skipped its backward's reductions meets the others here (core/comm.py
+        # Debug mode: a rank that skipped its backward's reductions meets the others here (core/recorder.py
         # [Note: debug mode]); nothing otherwise.
         self.steps_called += 1
         self.comm.sync_point(f"optimizer step {self.steps_called}")

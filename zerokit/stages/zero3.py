@@ -146,7 +146,7 @@ class Zero3Engine(Checkpointing, Engine):
         self.forward_order = RecordedOrder([unit.index for unit in self.units[1:]])  # first guess: registration
         self.backward_order = RecordedOrder(reverse_first_calls(self.forward_order.recorded))
         self._in_forward = False
-        self.comm.first_step_checks = True  # until the first step: core/comm.py [Note: rank-dependent units]
+        self.comm.first_step_checks = True  # until the first step: core/recorder.py [Note: rank-dependent units]
         self._handles = [self.module.register_forward_pre_hook(eager(self._root_pre_forward)),
                          self.module.register_forward_hook(eager(self._root_post_forward))]
         for unit in self.units[1:]:  # eager: run as they are under torch.compile, core/unit.py [Note: torch.compile]
