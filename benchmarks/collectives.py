@@ -383,7 +383,7 @@ def _rs_markdown(r: dict) -> str:
         "of the whole input into an (N·m,) buffer, every rank's contribution to this rank's range as a row, its own "
         "included, summed in rank order. \"halves\": what `Comm.reduce_scatter` does at 2 ranks "
         "(`core/ordered.py`'s `exchange_halves`): an all-to-all with empty splits for the rank itself, the peer's half out, the "
-        "peer's part of this rank's half into an (m,) buffer, added to the own half (core/comm.py [Note: ordered "
+        "peer's part of this rank's half into an (m,) buffer, added to the own half (core/ordered.py [Note: ordered "
         "reduction]). \"same bits\": every way's output equal bit for bit on both ranks (at 2 ranks each is one "
         "addition per element). \"Bytes allocated in flight\": every allocation torch.profiler records during one "
         "reduce-scatter and its wait (issuing thread and gloo's workers), summed."]) + "\n"

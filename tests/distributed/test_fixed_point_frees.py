@@ -1,4 +1,4 @@
-"""A collective's temporaries are freed by zerokit once it has completed (core/comm.py [Note: frees at a
+"""A collective's temporaries are freed by zerokit once it has completed (core/gather.py [Note: frees at a
 fixed point]), not whenever the process group's worker thread lets go of the Work.
 
 One spawn of 3 gloo ranks (3: an ordered all-reduce is not the native one there: an all-to-all, a

@@ -38,7 +38,7 @@ reduce-scatter of two buckets laid end to end gives a rank a range of the concat
 its shard of each. So stage 1 makes the buckets themselves larger: one closes once it holds
 `bucket_numel` elements (core/bucketing.py `plan_buckets(..., close_when_full=True)`), as torch
 DDP closes its buckets, where stage 2, which frees a bucket's gradient after its reduce-scatter,
-keeps the cap as a bound. The bits are the stages' own either way (core/comm.py [Note: ordered
+keeps the cap as a bound. The bits are the stages' own either way (core/ordered.py [Note: ordered
 reduction] sums in rank order, whatever the buckets).
 
 Per-rank memory (Ψ parameters, N ranks, up to padding < N elements per bucket):

@@ -45,8 +45,8 @@ Per-rank memory (Ψ parameters, up to padding < N elements per flat param):
   being reduce-scattered (a unit called twice in one forward, or recomputed under activation
   checkpointing, core/unit.py, stays gathered longer).
 
-Every rank must run the same units in the same order: checked, core/comm.py [Note: rank-dependent
-units]. A method that runs the model without calling it (a PEFT `generate`) is registered with
+Every rank must run the same units in the same order: checked, core/recorder.py [Note:
+rank-dependent units]. A method that runs the model without calling it (a PEFT `generate`) is registered with
 `register_forward_method`: core/unit.py [Note: forward methods].
 
 [Note: grad shards]
@@ -79,10 +79,10 @@ import torch
 from torch import nn
 
 from zerokit.checkpoint import Checkpointing
-from zerokit.core.gather import free_storage
 from zerokit.core.config import ShardConfig
 from zerokit.core.engine import Engine
 from zerokit.core.flat_param import FlatParamLayout, FlatParamState, build_flat_params
+from zerokit.core.gather import free_storage
 from zerokit.core.hooks import GradReadyTracker
 from zerokit.core.nest import tensors_in
 from zerokit.core.prefetch import RecordedOrder, reverse_first_calls
