@@ -868,7 +868,7 @@ def main(argv: list[str] | None = None) -> int:
            "batch_size": args.batch_size, "lr": args.lr, "bucket_numel": args.bucket_numel, "seed": args.seed,
            "stages": stages, "device": device, "reduction": args.reduction, "peers": args.peers,
            "memory_steps": args.memory_steps, "memory_warmup": args.memory_warmup,
-           # what --reduction default means here: core/comm.py orders the sum on gloo, not on NCCL
+           # what --reduction default means here: core/ordered.py orders the sum on gloo, not on NCCL
            "reduction_used": {"default": "ordered" if device == "cpu" else "native"}.get(args.reduction,
                                                                                           args.reduction)}
     if plain:  # world size 1 in this process, no process group: zerokit issues no collective

@@ -417,7 +417,7 @@ class Engine(GradPath, UserGrads):
 
     def comm_buffer_tensors(self) -> list[torch.Tensor]:
         """Storage alive only to communicate right now (none between steps): the reductions' reduce-dtype
-        copies and outputs (the post-step gathers are in place; core/comm.py's ordered reduction
+        copies and outputs (the post-step gathers are in place; core/ordered.py's ordered reduction
         allocates its receive buffers inside each call and drops them when the call completes)."""
         return [t for reduction in self.reductions.values() for t in reduction.transient]
 
