@@ -109,7 +109,7 @@ class GradReduction:
         `accumulate`: add it to what `grad_shard` holds (a second synced backward since the
         gradients were cleared, as torch's `.grad` accumulates) instead of overwriting it.
         `grad_shard` may be this rank's range of the gradient buffer itself (stage 1:
-        core/gather.py `lend` handles the aliasing).
+        `Comm.reduce_scatter` handles the aliasing).
         """
         self.result = grad_shard
         out = grad_shard
