@@ -86,7 +86,8 @@ from zerokit.core.gather import free_storage
 from zerokit.core.hooks import GradReadyTracker
 from zerokit.core.nest import tensors_in
 from zerokit.core.prefetch import RecordedOrder, reverse_first_calls
-from zerokit.core.unit import Unit, eager, gathered, packed_grads, prefetch, reshard_all, split_into_units
+from zerokit.core.unit import (Unit, eager, gather_state_dict, gathered, packed_grads, prefetch, reshard_all,
+                               split_into_units)
 from zerokit.optim.sharded import ShardedOptimizer
 
 
@@ -248,27 +249,13 @@ class Zero3Engine(Checkpointing, Engine):
 
     # 6. state_dict ----------------------------------------------------------------------
     def state_dict(self, full: bool = True) -> dict[str, torch.Tensor]:
-        """The unwrapped model's state_dict (same keys), whole on every rank. A collective.
-
-        Trainable parameters come from the fp32 masters where they exist (as at stage 0),
-        frozen ones in the param dtype; buffers are replicated and copied as they are.
-        Only the shards and masters are read (gathered into fresh buffers), never a unit's
-        flat_data, so it works at any point of a step: between forward and backward the
-        units the step gathered stay gathered for backward.
-        """
+        """The unwrapped model's state_dict (same keys), whole on every rank: the fp32 masters where they exist
+        (as at stage 0), else the param shards, gathered into fresh buffers (core/unit.py `gather_state_dict`),
+        so it works at any point of a step. A collective."""
         if not full:
             raise ValueError("Zero3Engine.state_dict supports full=True only; use engine.save() for shards")
         masters = dict(zip([fp.index for fp in self.trainable], self.optimizer.master_shards))
-        values: dict[int, torch.Tensor] = {}
-        for fp in self.flat_params:
-            shard = masters.get(fp.index, self.param_shards[fp.index])  # (shard_numel,)
-            flat = torch.empty(fp.padded_numel, dtype=shard.dtype, device=shard.device)  # (padded_numel,)
-            what = "fp32 master" if fp.index in masters else "params"
-            self.comm.all_gather(flat, shard, phase="state_dict", label=f"{what} of {fp.label}")
-            for p, view in zip(fp.params, fp.views(flat)):
-                values[id(p)] = view.clone()
-        return {name: values[id(t)] if id(t) in values else t.detach().clone()
-                for name, t in self.module.state_dict(keep_vars=True).items()}
+        return gather_state_dict(self.module, self.flat_params, self.param_shards, masters, self.comm)
 
     @contextlib.contextmanager
     def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
