@@ -22,9 +22,11 @@ def _run(argv: list[str], timeout_s: float = 240) -> str:
 
 
 def _check(out: str, world_size: int, stage: int) -> None:
+    # The ranks share one stdout, and print writes a line's text and its newline separately, so one rank's
+    # line may run into the next rank's ("...0090rank 1 weights ..."): the numbers are read by their digits.
     losses = {(int(r), int(s)): float(v) for r, s, v in
-              re.findall(rf"rank (\d+)/{world_size} stage {stage} step (\d+) loss ([0-9.]+)", out)}
-    weights = dict(re.findall(r"rank (\d+) weights (\S+)", out))
+              re.findall(rf"rank (\d+)/{world_size} stage {stage} step (\d+) loss (\d+\.\d{{4}})", out)}
+    weights = dict(re.findall(r"rank (\d+) weights (-?\d+\.\d{10})", out))
     assert sorted(weights) == [str(r) for r in range(world_size)], out
     for rank in range(world_size):
         # 60 AdamW steps on a linear target take the MSE from ~15 to ~0.05; a tenth is far from both.
