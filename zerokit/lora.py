@@ -35,7 +35,8 @@ bf16 the round trip loses low bits, so keep a pristine copy of W if that matters
 small, so one base model serves many tasks by swapping adapter files (`save_adapter` /
 `load_adapter`, safetensors, only `lora_A` / `lora_B`).
 
-Matching rule of `inject`: a module is adapted when it is an `nn.Linear` and the LAST component
+Matching rule of `inject`: a module is adapted when it is an `nn.Linear` (or a layer `zk.quantize`
+made, whose frozen base stays quantized: zerokit/quant.py) and the LAST component
 of its dotted module path is in `targets`. With targets ("q", "v"), `blocks.0.attn.q` matches;
 `blocks.0.attn.qkv` and `q.proj` do not.
 """
@@ -50,6 +51,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from zerokit.quant import QuantLinear, quant_linear
 
 __all__ = [
     "LoRALinear",
@@ -77,7 +80,7 @@ class LoRALinear(nn.Module):
     weight's dtype and device.
     """
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float = 1.0) -> None:
+    def __init__(self, base: nn.Linear | QuantLinear, rank: int, alpha: float = 1.0) -> None:
         super().__init__()
         d, k = base.out_features, base.in_features
         if not 1 <= rank <= min(d, k):
@@ -87,25 +90,34 @@ class LoRALinear(nn.Module):
         self.rank = rank
         self.alpha = float(alpha)
         self.merged = False
+        # A quantized base (zerokit/quant.py) keeps its byte parameter under its own name, `weight_quant`.
+        self.spec = base.spec if isinstance(base, QuantLinear) else None
         # Reuse the Parameter objects (not copies): no extra memory, and a weight tied to an
         # embedding stays the same tensor.
-        self.weight = base.weight
-        self.weight.requires_grad_(False)
+        if self.spec is None:
+            self.weight = base.weight
+            self.weight.requires_grad_(False)
+        else:
+            self.weight_quant = base.weight_quant
         if base.bias is not None:
             self.bias = base.bias
             self.bias.requires_grad_(False)
         else:
             self.register_parameter("bias", None)
-        w = base.weight
+        device = (base.weight if self.spec is None else base.weight_quant).device
+        dtype = base.weight.dtype if self.spec is None else self.spec.dtype
         # Initialise in fp32 and cast, so the same seed gives the same adapter whatever dtype
         # the base model is in (and kaiming on a bf16 tensor would round each draw anyway).
-        a = torch.empty(rank, k, dtype=torch.float32, device=w.device)
+        a = torch.empty(rank, k, dtype=torch.float32, device=device)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5))
-        self.lora_A = nn.Parameter(a.to(w.dtype))                                       # (r, k)
-        self.lora_B = nn.Parameter(torch.zeros(d, rank, dtype=w.dtype, device=w.device))  # (d, r)
+        self.lora_A = nn.Parameter(a.to(dtype))                                       # (r, k)
+        self.lora_B = nn.Parameter(torch.zeros(d, rank, dtype=dtype, device=device))  # (d, r)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)                                        # (..., d)
+        if self.spec is None:
+            out = F.linear(x, self.weight, self.bias)                                    # (..., d)
+        else:
+            out = quant_linear(x, self.weight_quant, self.spec, self.bias)               # (..., d)
         if self.merged:
             return out  # ΔW already lives in W
         # Scale the r-wide intermediate rather than the d-wide output: same math, fewer flops.
@@ -156,12 +168,12 @@ def inject(model: nn.Module, targets: tuple[str, ...] | list[str] | str = ("q", 
                          "inject once (load_adapter swaps adapters)")
     # remove_duplicate=False: one Linear registered under two paths must be replaced under both.
     linears = [(name, m) for name, m in model.named_modules(remove_duplicate=False)
-               if isinstance(m, nn.Linear) and name]
+               if isinstance(m, (nn.Linear, QuantLinear)) and name]
     matched = [(name, m) for name, m in linears if name.rsplit(".", 1)[-1] in targets]
     if not matched:
         sample = ", ".join(name for name, _ in linears[:8]) or "none"
         more = f" (and {len(linears) - 8} more)" if len(linears) > 8 else ""
-        raise ValueError(f"no nn.Linear whose last name component is in targets={targets}; "
+        raise ValueError(f"no nn.Linear (or zk.quantize'd layer) whose last name component is in targets={targets}; "
                          f"nn.Linear modules in the model: {sample}{more}")
     for name, m in matched:
         if not 1 <= rank <= min(m.out_features, m.in_features):
@@ -194,6 +206,10 @@ def merge(model: nn.Module) -> list[str]:
     """
     mods = _require_lora(model)
     unique = {id(m): (name, m) for name, m in mods.items()}.values()
+    quantized = [name for name, m in unique if m.spec is not None]
+    if quantized:
+        raise ValueError(f"cannot merge into a quantized base ({', '.join(quantized)}): W + alpha*B*A is not "
+                         "representable in its codes; merge into zk.dequantized_state_dict(model)'s weights instead")
     already = [name for name, m in unique if m.merged]
     if already:
         raise ValueError(f"LoRA modules already merged: {', '.join(already)}; call unmerge first")

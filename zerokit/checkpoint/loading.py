@@ -187,7 +187,8 @@ def _read_model_file(engine, directory: str, meta: dict, plan: _Plan) -> None:
 
         param_ids = set()
         for fp in engine.flat_params:
-            full = torch.zeros(fp.padded_numel, dtype=torch.float32)  # (padded_numel,) padding stays zero
+            # (padded_numel,) padding stays zero; a quantized base's bytes stay bytes (core/flat_param.py)
+            full = torch.zeros(fp.padded_numel, dtype=torch.float32 if fp.dtype.is_floating_point else fp.dtype)
             for names, view, p in zip(fp.names, fp.views(full), fp.params):
                 view.copy_(get(names[0]))
                 param_ids.add(id(p))

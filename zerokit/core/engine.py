@@ -280,13 +280,18 @@ class Engine(GradPath, UserGrads):
         """This rank's live bytes by category, each storage counted once.
 
         The stage's model states (params, grads, master_params, optimizer_states, and stage
-        3's unsharded buffers while alive) plus "comm_buffers": storage held only to
+        3's unsharded buffers while alive; "quantized_params", a quantized base's bytes, apart
+        from "params": core/flat_param.py [Note: packed byte parameters]) plus "comm_buffers": storage held only to
         communicate (reduce-dtype copies, all-gather inputs) — 0 between steps. Activations
         are measured around a forward/backward with core/ledger.py's ActivationMeter.
         """
         seen: set = set()
         out = {}
         categories = dict(self.memory_tensors())
+        packed = [t for t in categories.get("params", []) if not t.is_floating_point()]
+        if packed:  # a quantized base: core/flat_param.py [Note: packed byte parameters]
+            categories["params"] = [t for t in categories["params"] if t.is_floating_point()]
+            categories["quantized_params"] = packed
         if self.config.reduction == "tree":  # log2(k) partial sums per bucket while accumulating
             categories["tree_partials"] = [t for partials in self.partials.values() for t in partials.tensors()]
         categories["comm_buffers"] = self.comm_buffer_tensors()

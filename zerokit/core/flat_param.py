@@ -16,6 +16,14 @@ accumulates gradients directly in communication-ready storage, never copied afte
 A tied parameter (one Parameter reachable under two names) is stored once, by identity;
 all its names are kept for checkpoints. Frozen parameters (LoRA base weights) form
 their own flat buffers: no gradient, no master copy, no optimizer state.
+
+[Note: packed byte parameters]
+A quantized weight (zerokit/quant.py) is a frozen uint8 parameter marked `zerokit_packed`: bytes
+that encode values, not values. It is the one non-floating parameter an engine accepts
+(`is_packed`). Its flat buffers hold bytes and stay bytes under every precision (a cast would
+destroy the codes), so every stage keeps, gathers and checkpoints the quantized form: stages 0-2
+replicate it, stage 3 shards and all-gathers its bytes, and `engine.memory()` counts it as
+"quantized_params". The dtype is part of the grouping key, so it never shares a buffer.
 """
 from __future__ import annotations
 
@@ -107,6 +115,11 @@ class FlatParamLayout:
         (padded_numel,) fp32 copy holds the exact original values, which fp32 master shards
         are seeded from (not from their bf16/fp16 roundings). Under fp32 both are one tensor.
         """
+        if is_packed(self.params[0]):  # bytes stay bytes: [Note: packed byte parameters]
+            flat = self.new_flat()
+            self.copy_params_into(flat)
+            self.use_as_param_storage(flat)
+            return flat, flat
         fp32 = self.new_flat(torch.float32)
         self.copy_params_into(fp32)
         flat_param = fp32 if param_dtype == torch.float32 else fp32.to(param_dtype)
@@ -290,6 +303,11 @@ def _name_groups(parts: list[list[str]]) -> list[str]:
         return [".".join(common) + ".*"]  # one module's parameters
     # no common module, or entries of one module list: one group each (each shares at least its key)
     return [shown for members in groups.values() for shown in _name_groups(members)]
+
+
+def is_packed(p: torch.Tensor) -> bool:
+    """A frozen byte parameter holding encoded values: [Note: packed byte parameters]."""
+    return p.dtype == torch.uint8 and not p.requires_grad and bool(getattr(p, "zerokit_packed", None))
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from zerokit.core.flat_param import ParamInfo, unique_params
+from zerokit.core.flat_param import ParamInfo, is_packed, unique_params
 
 _CHECKSUM_CHUNK = 1 << 20  # elements widened to int64 at a time when checksumming
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -153,7 +153,7 @@ class ModelGuard:
             problems.append("parameters are on several devices: " + ", ".join(f"{n!r} on {d}" for d, n in where.items())
                             + "; move the model to one device first")
         for info in infos:
-            if not info.param.is_floating_point():
+            if not info.param.is_floating_point() and not is_packed(info.param):
                 problems.append(f"parameter {info.names[0]!r} has dtype {info.param.dtype}; "
                                 f"only floating-point parameters can be trained or sharded (register it as a buffer)")
         if not infos and not problems:
