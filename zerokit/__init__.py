@@ -1,7 +1,7 @@
 """zerokit: ZeRO stages 0-3 (DDP, sharded optimizer states, sharded gradients, sharded
 parameters / FSDP) written from scratch on torch.distributed collectives.
 
-The public API (zk.init_distributed, zk.shard, zk.hybrid_groups, zk.estimate, zk.lora) with every
+The public API (zk.init_distributed, zk.shard, zk.hybrid_groups, zk.estimate, zk.lora, zk.quantize) with every
 option, and the glossary of tensor names (param, flat_param, flat_data, flat_grad, param_shard,
 grad_shard, master_shard, bucket, reduction, unit) used everywhere in the code: docs/design.md.
 A complete training loop: examples/train_loop.py.
@@ -22,7 +22,7 @@ from zerokit.core.config import DEFAULT_BUCKET_NUMEL, ShardConfig, check_optimiz
 from zerokit.core.hybrid import HybridComm, check_shard_group_size, hybrid_groups
 from zerokit.core.precision import LossScaler, make_policy
 
-__all__ = ["init_distributed", "shard", "hybrid_groups", "estimate", "lora", "Comm", "HybridComm", "Simulated",
+__all__ = ["init_distributed", "shard", "hybrid_groups", "estimate", "lora", "quantize", "dequantized_state_dict", "Comm", "HybridComm", "Simulated",
            "STAGES"]
 
 # stage -> "module:Class"; each stage file stands on its own.
@@ -195,7 +195,20 @@ def estimate(num_params, world_size: int, stage: int, precision: str = "bf16", *
     return _estimate(num_params, world_size, stage, precision, **kwargs)
 
 
+def quantize(model: nn.Module, fmt: str, targets=None, skip=(), block_size: int = 64,
+             double_quant: bool = True) -> list[str]:
+    """Store the frozen weights of `model`'s Linear layers as NF4 or int8 (QLoRA's base); see zerokit/quant.py."""
+    from zerokit.quant import quantize as _quantize
+    return _quantize(model, fmt, targets=targets, skip=skip, block_size=block_size, double_quant=double_quant)
+
+
+def dequantized_state_dict(model: nn.Module, state_dict: dict | None = None) -> dict:
+    """The state_dict with each quantized weight as its fp32 dequantized value, under its original name."""
+    from zerokit.quant import dequantized_state_dict as _dequantized
+    return _dequantized(model, state_dict)
+
+
 def __getattr__(name):
-    if name == "lora":  # imported on first use: zk.lora.inject(...)
-        return importlib.import_module("zerokit.lora")
+    if name in ("lora", "quant"):  # imported on first use: zk.lora.inject(...)
+        return importlib.import_module(f"zerokit.{name}")
     raise AttributeError(f"module 'zerokit' has no attribute {name!r}")

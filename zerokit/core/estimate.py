@@ -33,6 +33,14 @@ With Ψ_t trainable of Ψ, the trainable part follows the table above and the fr
 their weight bytes, sharded only at stage 3. Trainable and frozen weights sit in separate flat
 buffers (one needs gradients, the other does not), so each is padded on its own.
 
+[Note: a quantized base]
+A base quantized by zk.quantize (zerokit/quant.py) is frozen and stored as bytes: per weight of n
+elements in blocks of B, `quantized_weight_bytes` = codes (n/2 for NF4, n for int8) + absmax
+constants (n/B bytes double-quantized, + 4·ceil(n/(256B)) + 4; else 4n/B). NF4 at B = 64 is about
+0.516 bytes per element against bf16's 2. With Ψ_q quantized elements holding Q bytes, `estimate`
+reports Q as "quantized_params" (Q at stages 0-2, ceil(Q/N) at stage 3, which shards the bytes) and
+"params" covers the other Ψ - Ψ_q; stage 3 all-gathers Q bytes where it gathered Ψ_q·p.
+
 What is not here. Activations are not model states and no ZeRO stage shards them: they grow with
 batch size and sequence length; `activation_bytes_estimate` gives a rough figure for zerokit's GPT.
 Stage 3 also holds its working set, the unsharded units being computed and prefetched (see
@@ -86,6 +94,9 @@ OPTIMIZER_STATE_BYTES: dict[str, int] = {
 
 CATEGORIES: tuple[str, ...] = ("params", "grads", "master_params", "optimizer_states", "activations")
 
+QUANT_FORMATS: tuple[str, ...] = ("nf4", "int8")
+DOUBLE_QUANT_BLOCK = 256  # absmax constants per second-level block (zerokit/quant.py)
+
 STAGE_NAMES: dict[int, str] = {0: "DDP baseline", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 
 
@@ -98,14 +109,20 @@ class MemoryEstimate:
     master_params: int
     optimizer_states: int
     activations: int = 0
+    quantized_params: int = 0  # a quantized base's bytes ([Note: a quantized base])
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.master_params + self.optimizer_states + self.activations
+        return (self.params + self.grads + self.master_params + self.optimizer_states + self.activations
+                + self.quantized_params)
 
     def as_dict(self) -> dict[str, int]:
-        """Category -> bytes, categories only (so the values sum to `total`), same keys as engine.memory()."""
-        return asdict(self)
+        """Category -> bytes, categories only (so the values sum to `total`), same keys as engine.memory()
+        ("quantized_params" only when there is a quantized base, as there)."""
+        out = asdict(self)
+        if not self.quantized_params:
+            del out["quantized_params"]
+        return out
 
 
 @dataclass(frozen=True)
@@ -129,6 +146,27 @@ def bytes_per_param(precision: str = "bf16", optimizer: str = "adam") -> BytesPe
         # The fp32 params are what the optimizer updates, so there is no separate master copy.
         return BytesPerParam(params=4, grads=4, master_params=0, optimizer_states=states)
     return BytesPerParam(params=2, grads=2, master_params=4, optimizer_states=states)
+
+
+def quantized_weight_bytes(numel: int, fmt: str = "nf4", block_size: int = 64, double_quant: bool = True) -> int:
+    """Bytes of one weight of `numel` elements quantized by zk.quantize: [Note: a quantized base]."""
+    if fmt not in QUANT_FORMATS:
+        raise ValueError(f"quantize must be one of {QUANT_FORMATS} (or None), got {fmt!r}")
+    if numel % block_size:
+        raise ValueError(f"a quantized weight's element count must be a multiple of block_size={block_size}, "
+                         f"got {numel}")
+    blocks = numel // block_size
+    codes = numel // 2 if fmt == "nf4" else numel
+    if double_quant:
+        return codes + blocks + 4 * -(-blocks // DOUBLE_QUANT_BLOCK) + 4
+    return codes + 4 * blocks
+
+
+def _quantized(quantized_params, fmt: str, block_size: int, double_quant: bool) -> tuple[int, int]:
+    """(Ψ_q elements, Q bytes) from one count or a list of per-weight counts."""
+    counts = [quantized_params] if isinstance(quantized_params, (Integral, float)) else list(quantized_params)
+    counts = [_as_count(c, "quantized_params") for c in counts]
+    return sum(counts), sum(quantized_weight_bytes(c, fmt, block_size, double_quant) for c in counts)
 
 
 def _as_count(value: int | float, name: str) -> int:
@@ -178,7 +216,9 @@ def _shard_numel(numel: int, world_size: int) -> int:
 
 def estimate(num_params: int | float, world_size: int, stage: int, precision: str = "bf16",
              optimizer: str = "adam", trainable_params: int | float | None = None,
-             reduce_precision: str | None = None, shard_group_size: int | None = None) -> MemoryEstimate:
+             reduce_precision: str | None = None, shard_group_size: int | None = None,
+             quantize: str | None = None, quantized_params=None, block_size: int = 64, double_quant: bool = True,
+             lora: int | float | None = None) -> MemoryEstimate:
     """Model-state bytes on one rank for ZeRO `stage` at `world_size` ranks, up to padding.
 
     num_params: Ψ, all parameters (trainable and frozen). trainable_params: Ψ_t, defaults to Ψ;
@@ -195,16 +235,33 @@ def estimate(num_params: int | float, world_size: int, stage: int, precision: st
     ranks). It must divide world_size. A hybrid rank holds exactly what a rank of a world of S
     holds, so every "N" above is S; stage 0 shards nothing and is unchanged ([Note: hybrid
     sharding bytes]).
+
+    lora: Ψ_t under its LoRA name (the adapters' parameter count); give it or trainable_params.
+    quantize ("nf4" | "int8"): the frozen base is quantized ([Note: a quantized base]).
+    quantized_params: how many of the frozen elements are quantized (default all Ψ - Ψ_t), as one
+    count or as a list of each quantized weight's element count (exact: the constants are per weight).
     """
     psi = _as_count(num_params, "num_params")
+    if lora is not None:
+        if trainable_params is not None:
+            raise ValueError("give lora= or trainable_params=, not both (they are the same count)")
+        trainable_params = lora
     psi_t = psi if trainable_params is None else _as_count(trainable_params, "trainable_params")
     if psi_t > psi:
         raise ValueError(f"trainable_params={psi_t} exceeds num_params={psi}")
+    psi_q, q_bytes = 0, 0
+    if quantize is not None:
+        psi_q, q_bytes = _quantized(psi - psi_t if quantized_params is None else quantized_params, quantize,
+                                    block_size, double_quant)
+        if psi_q > psi - psi_t:
+            raise ValueError(f"quantized_params={psi_q} exceeds the frozen parameters Ψ - Ψ_t = {psi - psi_t}")
+    elif quantized_params is not None:
+        raise ValueError("quantized_params= needs quantize='nf4' or 'int8'")
     _check_world_size(world_size)
     shard_ranks = resolve_shard_group_size(shard_group_size, world_size)  # S: N when sharding is flat
     _check_stage(stage)
     per = bytes_per_param(precision, optimizer)
-    psi_f = psi - psi_t
+    psi_f = psi - psi_t - psi_q  # frozen and not quantized
     reduce_precision = precision if reduce_precision is None else reduce_precision
     if reduce_precision not in PRECISIONS:
         raise ValueError(f"reduce_precision must be one of {PRECISIONS}, got {reduce_precision!r}")
@@ -214,7 +271,7 @@ def estimate(num_params: int | float, world_size: int, stage: int, precision: st
     full_t, shard_t = psi_t, _shard_numel(psi_t, shard_ranks)
     states_numel = shard_t if stage >= 1 else full_t  # master + optimizer states go together at stage 1
     grads_numel = shard_t if stage >= 2 else full_t
-    params_numel = (shard_t + _shard_numel(psi_f, shard_ranks)) if stage >= 3 else psi
+    params_numel = (shard_t + _shard_numel(psi_f, shard_ranks)) if stage >= 3 else psi - psi_q
 
     grads = per.grads * grads_numel
     if reduce_precision != precision:
@@ -225,6 +282,7 @@ def estimate(num_params: int | float, world_size: int, stage: int, precision: st
         grads=grads,
         master_params=per.master_params * states_numel,
         optimizer_states=per.optimizer_states * states_numel,
+        quantized_params=_shard_numel(q_bytes, shard_ranks) if stage >= 3 else q_bytes,
     )
 
 
@@ -326,7 +384,8 @@ def zero3_working_set_bytes(cfg: Any, precision: str = "bf16", prefetch: int = 1
 
 
 def comm_bytes_per_step(num_params: int, stage: int, param_bytes: int, grad_bytes: int,
-                        trainable_params: int | None = None) -> int:
+                        trainable_params: int | None = None, quantize: str | None = None, quantized_params=None,
+                        block_size: int = 64, double_quant: bool = True) -> int:
     """Logical bytes one rank sends per optimizer step (ZeRO accounting, core/comm.py), up to padding.
 
     g = grad_bytes (the reduce dtype), p = param_bytes, Ψ_t trainable of Ψ parameters:
@@ -334,6 +393,8 @@ def comm_bytes_per_step(num_params: int, stage: int, param_bytes: int, grad_byte
         stage 1, 2   reduce-scatter of the gradients + all-gather params   Ψ_t·g + Ψ_t·p
         stage 3      all-gather params in forward and again in backward    2·Ψ·p + Ψ_t·g
                      (frozen ones too) + reduce-scatter of the gradients
+    A quantized base (`quantize`, `quantized_params` as for `estimate`) is gathered as its Q bytes:
+    stage 3 sends 2·(Ψ - Ψ_q)·p + 2·Q + Ψ_t·g.
     With p = g that is 2Ψg for stages 0-2 and 3Ψg (1.5x) for stage 3.
     Buffers are not included: with `broadcast_buffers=True` (the default) every forward that DDP
     would sync adds a broadcast of the model's buffer bytes B (at any stage; 0 for a model without
@@ -346,7 +407,11 @@ def comm_bytes_per_step(num_params: int, stage: int, param_bytes: int, grad_byte
         return 2 * psi_t * grad_bytes
     if stage in (1, 2):
         return psi_t * grad_bytes + psi_t * param_bytes
-    return 2 * psi * param_bytes + psi_t * grad_bytes
+    psi_q, q_bytes = 0, 0
+    if quantize is not None:
+        psi_q, q_bytes = _quantized(psi - psi_t if quantized_params is None else quantized_params, quantize,
+                                    block_size, double_quant)
+    return 2 * (psi - psi_q) * param_bytes + 2 * q_bytes + psi_t * grad_bytes
 
 
 def comm_bytes_by_group(num_params: int, stage: int, param_bytes: int, grad_bytes: int, world_size: int,
