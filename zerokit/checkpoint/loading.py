@@ -172,6 +172,7 @@ def _read_model_file(engine, directory: str, meta: dict, plan: _Plan) -> None:
         saved_names = stored | {a for a, target in aliases.items() if target in stored}
         missing = [k for k in expected if k not in saved_names]
         unexpected = sorted(saved_names - set(expected))
+        _refuse_quantization_mismatch(path, meta, engine, missing, unexpected)
         if missing or unexpected:
             raise ValueError(f"{path} does not match this model: missing {missing[:5]}"
                              f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
@@ -196,6 +197,24 @@ def _read_model_file(engine, directory: str, meta: dict, plan: _Plan) -> None:
         for name, t in expected.items():
             if id(t) not in param_ids and name not in plan.buffers:
                 plan.buffers[name] = get(name)
+
+
+def _refuse_quantization_mismatch(path: str, meta: dict, engine, missing: list[str], unexpected: list[str]) -> None:
+    """A layer quantized on one side only, or quantized differently (zerokit/quant.py), refused by name."""
+    quantized = lambda names, other: sorted(n.rpartition(".")[0] for n in names  # noqa: E731
+                                            if n.endswith(".weight_quant") and n[:-len("_quant")] in other)
+    for layer in quantized(unexpected, set(missing))[:1]:
+        raise ValueError(f"{path}: layer {layer!r} is quantized in the checkpoint and not in this model; quantize the "
+                         "model the same way (zk.quantize) before zk.shard, or load zk.dequantized_state_dict's export")
+    for layer in quantized(missing, set(unexpected))[:1]:
+        raise ValueError(f"{path}: layer {layer!r} is quantized in this model and not in the checkpoint; load it into "
+                         "the unquantized model, or quantize that model and save again")
+    for fp in engine.flat_params:
+        for names, p in zip(fp.names, fp.params):
+            mine, saved = getattr(p, "zerokit_packed", None), meta["params"].get(names[0], {}).get("packed")
+            if mine and saved and mine != saved:
+                raise ValueError(f"{path}: layer {names[0].rpartition('.')[0]!r} is quantized as {saved} in the "
+                                 f"checkpoint and as {mine} in this model; quantize the model the same way")
 
 
 def _read_rank_files(engine, directory: str, meta: dict, plan: _Plan) -> set[int]:
