@@ -152,11 +152,8 @@ def quantized_weight_bytes(numel: int, fmt: str = "nf4", block_size: int = 64, d
     """Bytes of one weight of `numel` elements quantized by zk.quantize: [Note: a quantized base]."""
     if fmt not in QUANT_FORMATS:
         raise ValueError(f"quantize must be one of {QUANT_FORMATS} (or None), got {fmt!r}")
-    if numel % block_size:
-        raise ValueError(f"a quantized weight's element count must be a multiple of block_size={block_size}, "
-                         f"got {numel}")
-    blocks = numel // block_size
-    codes = numel // 2 if fmt == "nf4" else numel
+    blocks = -(-numel // block_size)  # a count of many weights together need not be a multiple: rounded up
+    codes = -(-numel // 2) if fmt == "nf4" else numel
     if double_quant:
         return codes + blocks + 4 * -(-blocks // DOUBLE_QUANT_BLOCK) + 4
     return codes + 4 * blocks
