@@ -11,9 +11,12 @@ The flow (lecture, last slide), cheapest remedy first:
 4. If even that fails, LoRA: freeze the base, adapt q and v with r = 8, α = 1. Frozen weights
    cost 2 bytes each; only the adapters carry grads, fp32 masters and Adam states.
 
+5. If LoRA still does not fit, quantize the frozen base (QLoRA: `zk.quantize(model, "nf4")`, about
+   0.516 bytes per frozen parameter instead of 2, zerokit/quant.py) and train LoRA on top, at the
+   same stages: ZeRO-3 shards the quantized bytes too.
+
 With one GPU there is nothing to shard across, so ZeRO cannot help: the flow checks plain
-training (with and without checkpointing), then LoRA, and otherwise points at quantizing the
-frozen base weights.
+training (with and without checkpointing), then LoRA, then LoRA over an NF4 base.
 
 On several nodes (`--nodes K`, the --gpus GPUs spread evenly, G = N / K per node) the flow above
 picks its option with flat sharding over all N GPUs, as on one node; then it checks whether the
@@ -45,6 +48,7 @@ from zerokit.core.estimate import (
     activation_bytes_estimate,
     bytes_per_param,
     comm_bytes_by_group,
+    quantized_weight_bytes,
     estimate,
     per_rank_formula,
     zero3_working_set_bytes,
@@ -103,7 +107,7 @@ def lora_adapter_params(cfg: Any, rank: int = LORA_RANK, targets: tuple[str, ...
 class Plan:
     """The answer: what to run, what it costs per GPU, and the reasoning that led there."""
 
-    decision: str  # "zero2" | "zero3" | "single_gpu" | "lora" | "does_not_fit"
+    decision: str  # "zero2" | "zero3" | "single_gpu" | "lora" | "qlora" | "does_not_fit"
     precision: str  # "bf16" | "fp16"
     loss_scaler: bool  # fp16 needs a dynamic loss scaler, bf16 does not
     stage: int | None  # ZeRO stage to run; None when nothing fits
@@ -118,6 +122,7 @@ class Plan:
     bytes_across_nodes_per_step: int | None = None  # logical bytes one GPU sends between nodes per step under the
     #   choice (hybrid: its replicate-group all-reduce; flat: at most all it sends); None on one node or if nothing fits
     flat_bytes_across_nodes_per_step: int | None = None  # the same for flat sharding over all GPUs, for comparison
+    quantize: str | None = None  # "nf4": the frozen base quantized (decision "qlora")
 
 
 def _gb(num_bytes: int) -> str:
@@ -131,9 +136,11 @@ class _Option:
     stage: int
     checkpointing: bool
     lora: bool
+    quantize: str | None = None  # the frozen base quantized (QLoRA): "nf4"
 
     def label(self) -> str:
-        parts = ["LoRA" if self.lora else "full fine-tuning", f"ZeRO-{self.stage}" if self.stage else "no ZeRO"]
+        tuned = f"LoRA over an {self.quantize.upper()} base (QLoRA)" if self.quantize else "LoRA"
+        parts = [tuned if self.lora else "full fine-tuning", f"ZeRO-{self.stage}" if self.stage else "no ZeRO"]
         if self.checkpointing:
             parts.append("activation checkpointing")
         return " + ".join(parts)
@@ -218,9 +225,9 @@ def plan(num_params: int | float, num_gpus: int, gpu_memory_bytes: int, bf16: bo
 
         shard_group: S GPUs that shard the states (hybrid sharding); None: all num_gpus (flat).
         """
-        if opt.lora:  # the adapters are extra parameters; only they train
+        if opt.lora:  # the adapters are extra parameters; only they train (over a quantized base: all of Ψ)
             states = estimate(psi + lora_t, num_gpus, opt.stage, precision, optimizer, trainable_params=lora_t,
-                              shard_group_size=shard_group)
+                              shard_group_size=shard_group, quantize=opt.quantize)
         else:
             states = estimate(psi, num_gpus, opt.stage, precision, optimizer, shard_group_size=shard_group)
         ws = 0
@@ -228,6 +235,8 @@ def plan(num_params: int | float, num_gpus: int, gpu_memory_bytes: int, bf16: bo
             # working_set_bytes counts gathered weights and their gradients equally; frozen weights
             # get no gradient, so under LoRA only the weight half remains (adapters are negligible).
             ws = working_set_bytes // 2 if opt.lora else working_set_bytes
+            if opt.quantize:  # the gathered frozen weights are quantized bytes
+                ws = math.ceil(ws * quantized_weight_bytes(10**6, opt.quantize) / (10**6 * per.params))
         a = 0 if activation_bytes is None else int(activation_bytes(batch, opt.checkpointing))
         return states.total, ws, a
 
@@ -237,7 +246,11 @@ def plan(num_params: int | float, num_gpus: int, gpu_memory_bytes: int, bf16: bo
     def explain(opt: _Option, shard_group: int | None = None) -> tuple[bool, int, str]:
         """Does `opt` fit at batch_size, sharded over shard_group GPUs (None: all)? (fits, bytes, reasoning line)."""
         states, ws, a = breakdown(opt, batch_size, shard_group)
-        if opt.lora:
+        if opt.quantize:
+            per_q = quantized_weight_bytes(10**6, opt.quantize) / 10**6
+            what = (f"states {_gb(states)} (frozen base {opt.quantize} {per_q:.3f} B/param; adapters "
+                    f"{per_total} B/param)")
+        elif opt.lora:
             what = f"states {_gb(states)} (frozen base {per.params} B/param; adapters {per_total} B/param)"
         elif shard_group is None:
             what = f"states {per_rank_formula(opt.stage, precision, optimizer)} = {_gb(states)}"
@@ -322,7 +335,7 @@ def plan(num_params: int | float, num_gpus: int, gpu_memory_bytes: int, bf16: bo
                     checkpointing=opt.checkpointing, lora=opt.lora, batch_size=batch_size,
                     max_batch_size=max_batch, bytes_per_gpu=total, reasons=tuple(reasons), nodes=num_nodes,
                     shard_group_size=shard_group, bytes_across_nodes_per_step=across,
-                    flat_bytes_across_nodes_per_step=flat_across)
+                    flat_bytes_across_nodes_per_step=flat_across, quantize=opt.quantize)
 
     if num_gpus == 1:
         reasons.append("1 GPU: ZeRO shards model states across GPUs, so with one GPU it cannot help; "
@@ -349,13 +362,20 @@ def plan(num_params: int | float, num_gpus: int, gpu_memory_bytes: int, bf16: bo
         if fits:
             return choose("lora", opt, total)
 
-    quantized = math.ceil(psi / 2)  # 4-bit weights: half a byte per parameter
-    advice = (f"quantize the frozen base weights (4-bit: {_gb(quantized)} instead of {_gb(per.params * psi)}) "
-              "and train LoRA on top")
+    q_bytes = quantized_weight_bytes(psi, "nf4")
+    reasons.append(f"LoRA does not fit: quantize the frozen base to NF4 (QLoRA, zk.quantize(model, 'nf4') before "
+                   f"zk.lora.inject: {_gb(q_bytes)} instead of {_gb(per.params * psi)}) and train LoRA on top")
+    for opt in [_Option(o.stage, o.checkpointing, True, "nf4") for o in lora]:
+        fits, total, line = explain(opt)
+        reasons.append(line)
+        if fits:
+            return choose("qlora", opt, total)
+
+    advice = "the base quantized to NF4 included"
     if num_gpus > 1:
-        advice = f"use more GPUs (sharded states shrink as 1/N), shorter sequences, or {advice}"
+        advice = f"use more GPUs (sharded states shrink as 1/N) or shorter sequences ({advice})"
     else:
-        advice = f"use more GPUs with ZeRO-3, shorter sequences, or {advice}"
+        advice = f"use more GPUs with ZeRO-3, or shorter sequences ({advice})"
     reasons.append(f"nothing fits: {advice}")
     return Plan(decision="does_not_fit", precision=precision, loss_scaler=not bf16, stage=None,
                 checkpointing=True, lora=True, batch_size=batch_size, max_batch_size=None,
