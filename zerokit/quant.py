@@ -23,8 +23,8 @@ without double quantization n/2 + 4n/B (0.5625); int8: n + the same constants (â
 
 [Note: quantized storage is one byte parameter]
 Each quantized weight is one frozen uint8 `nn.Parameter` (`weight_quant`, 1-D, `spec.nbytes`
-bytes: codes | absmax | fp32 scales | fp32 mean) carrying `zerokit_packed` (its spec in
-words). The engines keep such a parameter in its own dtype, in flat buffers of its own (the
+bytes: codes | absmax | fp32 scales | fp32 mean) carrying `zerokit_packed` (its QuantSpec;
+in words, `str(spec)`). The engines keep such a parameter in its own dtype, in flat buffers of its own (the
 dtype is part of the grouping key, core/flat_param.py): stages 0-2 replicate it like any frozen
 weight, stage 3 shards its bytes with the unit and all-gathers the bytes, and every layer
 dequantizes inside its forward, after the gather. It gets no gradient, master or optimizer state,
@@ -93,6 +93,9 @@ class QuantSpec:
     @property
     def nbytes(self) -> int:
         return max(hi for _, hi in self.parts().values())
+
+    def __str__(self) -> str:
+        return self.describe()
 
     def describe(self) -> str:
         return (f"{self.fmt} block {self.block_size}{' double-quant' if self.double_quant else ''} "
@@ -227,7 +230,7 @@ def quant_linear(x: torch.Tensor, packed: torch.Tensor, spec: QuantSpec, bias: t
 def packed_parameter(packed: torch.Tensor, spec: QuantSpec) -> nn.Parameter:
     """The frozen byte parameter of [Note: quantized storage is one byte parameter]."""
     p = nn.Parameter(packed, requires_grad=False)
-    p.zerokit_packed = spec.describe()  # what the engines and checkpoints read (core/flat_param.py)
+    p.zerokit_packed = spec  # what the engines, the ledger and checkpoints read (core/flat_param.py)
     return p
 
 

@@ -195,7 +195,7 @@ def build_meta(engine, kinds: dict[str, str], extra: dict | None, files: dict[st
                 "requires_grad": fp.requires_grad}
         for names, p in zip(fp.names, fp.params):  # a quantized weight: how its bytes encode it
             if getattr(p, "zerokit_packed", None):
-                params[names_of.get(names[0], names[0])]["packed"] = p.zerokit_packed
+                params[names_of.get(names[0], names[0])]["packed"] = str(p.zerokit_packed)
     expected = snapshot_files(engine.world_size)
     assert set(files) == expected, (sorted(files), sorted(expected))
     return {

@@ -212,7 +212,7 @@ def _refuse_quantization_mismatch(path: str, meta: dict, engine, missing: list[s
     for fp in engine.flat_params:
         for names, p in zip(fp.names, fp.params):
             mine, saved = getattr(p, "zerokit_packed", None), meta["params"].get(names[0], {}).get("packed")
-            if mine and saved and mine != saved:
+            if mine is not None and saved and str(mine) != saved:
                 raise ValueError(f"{path}: layer {names[0].rpartition('.')[0]!r} is quantized as {saved} in the "
                                  f"checkpoint and as {mine} in this model; quantize the model the same way")
 

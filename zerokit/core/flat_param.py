@@ -18,8 +18,8 @@ all its names are kept for checkpoints. Frozen parameters (LoRA base weights) fo
 their own flat buffers: no gradient, no master copy, no optimizer state.
 
 [Note: packed byte parameters]
-A quantized weight (zerokit/quant.py) is a frozen uint8 parameter marked `zerokit_packed`: bytes
-that encode values, not values. It is the one non-floating parameter an engine accepts
+A quantized weight (zerokit/quant.py) is a frozen uint8 parameter whose `zerokit_packed` says how
+it is encoded (format, element count, block size): bytes that encode values, not values. It is the one non-floating parameter an engine accepts
 (`is_packed`). Its flat buffers hold bytes and stay bytes under every precision (a cast would
 destroy the codes), so every stage keeps, gathers and checkpoints the quantized form: stages 0-2
 replicate it, stage 3 shards and all-gathers its bytes, and `engine.memory()` counts it as
@@ -307,7 +307,7 @@ def _name_groups(parts: list[list[str]]) -> list[str]:
 
 def is_packed(p: torch.Tensor) -> bool:
     """A frozen byte parameter holding encoded values: [Note: packed byte parameters]."""
-    return p.dtype == torch.uint8 and not p.requires_grad and bool(getattr(p, "zerokit_packed", None))
+    return p.dtype == torch.uint8 and not p.requires_grad and getattr(p, "zerokit_packed", None) is not None
 
 
 @dataclass(frozen=True)

@@ -186,16 +186,25 @@ def ledger(engine: Any, activation_bytes: int | None = None, predicted_activatio
     measured["comm_buffers"] = comm_buffer_bytes(engine, counted)
     measured["activations"] = activation_bytes
 
+    from zerokit.core.flat_param import is_packed  # imports torch: only when a ledger is taken
     params = {id(p): p for p in engine.module.parameters()}.values()
-    num_params = sum(p.numel() for p in params)
+    # A quantized base counts its elements, not its bytes: core/estimate.py [Note: a quantized base]
+    specs = [p.zerokit_packed for p in params if is_packed(p)]
+    num_params = sum(p.numel() for p in params if not is_packed(p)) + sum(s.numel for s in specs)
     trainable = sum(p.numel() for p in params if p.requires_grad)
+    quant = {}
+    if specs:
+        quant = {"quantize": specs[0].fmt, "quantized_params": [s.numel for s in specs],
+                 "block_size": specs[0].block_size, "double_quant": specs[0].double_quant}
     precision = engine.policy.name
     from zerokit.core.precision import PRECISIONS as DTYPES  # imports torch: only when a ledger is taken
     reduce_precision = next(name for name, dtype in DTYPES.items() if dtype == engine.policy.reduce_dtype)
     kind = optimizer_kind(engine.optimizer.optimizer)
     est = estimate(num_params, engine.world_size, engine.stage, precision, kind, trainable_params=trainable,
-                   reduce_precision=reduce_precision)
+                   reduce_precision=reduce_precision, **quant)
     predicted: dict[str, int | None] = {c: getattr(est, c) for c in MODEL_STATE_CATEGORIES}
+    if specs:
+        predicted["quantized_params"] = est.quantized_params
     predicted["comm_buffers"] = None
     predicted["activations"] = predicted_activations
 
@@ -210,4 +219,6 @@ def ledger(engine: Any, activation_bytes: int | None = None, predicted_activatio
             errors[category] = (value - want) / want
     config = {"stage": engine.stage, "world_size": engine.world_size, "rank": engine.rank,
               "precision": precision, "optimizer": kind, "num_params": num_params, "trainable_params": trainable}
+    if specs:
+        config["quantize"] = quant["quantize"]
     return {"measured": measured, "predicted": predicted, "relative_error": errors, "config": config}
