@@ -26,6 +26,14 @@ world of S holds; core/estimate.py [Note: hybrid sharding bytes]); stage 0 shard
 is unchanged. The command also prints the logical bytes a rank sends per step within its
 shard group and across its replicate group (`comm_bytes_by_group`). With --simulate it plays a
 rank of a world of S for stages 1-3, for the same reason.
+
+    zerokit memory --params 70e9 --world-size 2 --quantize nf4 --lora --gpu-memory 24
+
+is QLoRA sharded (FSDP-QLoRA's headline case: 70B on two 24 GB GPUs): LoRA adapters (Ψ_t, for
+q and v at r = 8 on the model's shape, or a GPT-3-like shape guessed from Ψ, as `zerokit plan`)
+train over a frozen base of Ψ parameters quantized to NF4 (core/estimate.py [Note: a quantized
+base]; all Ψ counted as quantized, embeddings too). `--lora` alone keeps the base in the param
+dtype. `--gpu-memory` marks the rows whose model states fit (activations and working set apart).
 """
 from __future__ import annotations
 
@@ -38,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from zerokit.models import GPTConfig
 
-from zerokit.cli import UNITS, model_preset, parse_count, positive_int
+from zerokit.cli import UNITS, model_preset, parse_bytes, parse_count, positive_int
 from zerokit.core.estimate import (
     OPTIMIZER_STATE_BYTES,
     PRECISIONS,
@@ -46,8 +54,10 @@ from zerokit.core.estimate import (
     activation_bytes_estimate,
     bytes_per_param,
     comm_bytes_by_group,
+    comm_bytes_per_step,
     estimate,
     per_rank_formula,
+    quantized_weight_bytes,
     resolve_shard_group_size,
     zero3_working_set_bytes,
 )
@@ -74,7 +84,8 @@ def format_in(num_bytes: int, unit: str) -> str:
 
 
 def stage_rows(num_params: int, world_size: int, precision: str, optimizer: str,
-               shard_group_size: int | None = None) -> list[dict[str, Any]]:
+               shard_group_size: int | None = None, lora_params: int | None = None,
+               quantize: str | None = None) -> list[dict[str, Any]]:
     """One dict per stage 0-3: stage, name, formula, bytes per category and total, bytes sent per step.
 
     shard_group_size: S for hybrid sharding (None: world_size). Then the categories are those of
@@ -85,14 +96,25 @@ def stage_rows(num_params: int, world_size: int, precision: str, optimizer: str,
     hybrid = shard_ranks != world_size
     per = bytes_per_param(precision, optimizer)
     rows = []
+    total_params = num_params + (lora_params or 0)  # adapters are extra parameters; only they train
     for stage in range(4):
-        est = estimate(num_params, world_size, stage, precision, optimizer, shard_group_size=shard_ranks)
+        est = estimate(total_params, world_size, stage, precision, optimizer, shard_group_size=shard_ranks,
+                       trainable_params=lora_params, quantize=quantize)
         formula = per_rank_formula(stage, precision, optimizer)
+        if lora_params is not None:
+            base = (f"{quantized_weight_bytes(10**6, quantize) / 10**6:.3f}Ψ" if quantize
+                    else f"{per.params}Ψ") + ("/N" if stage == 3 else "")
+            formula = f"{base}+{formula.replace('Ψ', 'Ψ_t')}"
         row: dict[str, Any] = {"stage": stage, "name": STAGE_NAMES[stage],
                                "formula": formula.replace("/N", "/S") if hybrid else formula}
         row.update({key: getattr(est, key) for key, _ in CATEGORY_HEADERS})
+        row["quantized_params"] = est.quantized_params
         row["total"] = est.total
-        sent = comm_bytes_by_group(num_params, stage, per.params, per.grads, world_size, shard_ranks)
+        sent = comm_bytes_by_group(total_params, stage, per.params, per.grads, world_size, shard_ranks,
+                                   trainable_params=lora_params)
+        if quantize and world_size == shard_ranks:  # stage 3 gathers the base's bytes
+            sent["shard_group"] = comm_bytes_per_step(total_params, stage, per.params, per.grads, lora_params,
+                                                      quantize=quantize) if world_size > 1 else 0
         row["comm_bytes_shard_group"] = sent["shard_group"]
         row["comm_bytes_replicate_group"] = sent["replicate_group"]
         rows.append(row)
@@ -121,11 +143,18 @@ def render_comm(rows: list[dict[str, Any]], world_size: int, shard_ranks: int) -
     return lines
 
 
-def render_table(rows: list[dict[str, Any]], unit: str) -> list[str]:
-    headers = ["stage", "sharded", "formula"] + [h for _, h in CATEGORY_HEADERS] + ["total"]
+def render_table(rows: list[dict[str, Any]], unit: str, gpu_memory: int | None = None) -> list[str]:
+    columns = list(CATEGORY_HEADERS)
+    if any(r.get("quantized_params") for r in rows):
+        columns.insert(1, ("quantized_params", "quantized"))
+    headers = ["stage", "sharded", "formula"] + [h for _, h in columns] + ["total"]
     body = [[str(r["stage"]), r["name"], r["formula"]]
-            + [format_in(r[key], unit) for key, _ in CATEGORY_HEADERS] + [format_in(r["total"], unit)]
+            + [format_in(r[key], unit) for key, _ in columns] + [format_in(r["total"], unit)]
             for r in rows]
+    if gpu_memory is not None:
+        headers.append("fits")
+        for line, r in zip(body, rows):
+            line.append("yes" if r["total"] <= gpu_memory else "no")
     widths = [max(len(line[i]) for line in [headers] + body) for i in range(len(headers))]
     # Text columns left-aligned, numbers right-aligned.
     def fmt(line: list[str]) -> str:
@@ -150,6 +179,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unit", choices=("auto",) + tuple(UNITS), default="auto",
                         help="unit of the table; auto picks a decimal unit (GB for CS224N lecture 12's example)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the table, in bytes, as JSON")
+    parser.add_argument("--lora", action="store_true",
+                        help="LoRA on q and v (r = 8) over a frozen base: only the adapters carry grads, masters "
+                             "and optimizer states")
+    parser.add_argument("--quantize", choices=("nf4", "int8"),
+                        help="the frozen base quantized (QLoRA with nf4; needs --lora), zerokit/quant.py")
+    parser.add_argument("--gpu-memory", type=parse_bytes, metavar="GB",
+                        help="memory per GPU (a number is GB): mark the rows whose model states fit")
     parser.add_argument("--simulate", action="store_true",
                         help="measure instead: this process builds --model and plays rank 0 of --world-size "
                              "for one training step (needs --model and --stage)")
@@ -303,17 +339,32 @@ def run(args: argparse.Namespace) -> int:
 
     shard_ranks = _shard_group_size(args)
     hybrid = shard_ranks != args.world_size
-    rows = stage_rows(num_params, args.world_size, args.precision, args.optimizer, shard_ranks)
+    quantize, lora_params = getattr(args, "quantize", None), None
+    if quantize and not getattr(args, "lora", False):
+        raise SystemExit("zerokit memory: --quantize quantizes a frozen base: add --lora (the adapters that train)")
+    if getattr(args, "lora", False):
+        from zerokit.commands.plan import guess_shape, lora_adapter_params
+        lora_params = lora_adapter_params(cfg if cfg is not None else guess_shape(num_params))
+    rows = stage_rows(num_params, args.world_size, args.precision, args.optimizer, shard_ranks, lora_params, quantize)
     unit = choose_unit([r["total"] for r in rows]) if args.unit == "auto" else args.unit
     source = f"model {args.model}, " if cfg is not None else ""
     print(f"Model states per rank: {source}Ψ = {num_params:,} parameters, N = {args.world_size} ranks, "
           f"{args.precision} + {args.optimizer}; {unit} = {UNITS[unit]:,} bytes")
+    if lora_params is not None:
+        base = (f"quantized to {quantize} ({quantized_weight_bytes(10**6, quantize) / 10**6:.3f} B/param, "
+                f"{format_auto(quantized_weight_bytes(num_params, quantize))} in all)" if quantize
+                else f"in {args.precision} ({bytes_per_param(args.precision).params} B/param)")
+        print(f"LoRA: Ψ_t = {lora_params:,} adapter parameters (q, v, r = 8) train; the frozen base of Ψ is {base}")
     if hybrid:
         print(f"Hybrid sharding: shard group of S = {shard_ranks} ranks; replicated R = "
               f"{args.world_size // shard_ranks} times. Stages 1-3 shard within the group only, so each row "
               f"holds what a rank of N = {shard_ranks} holds; stage 0 shards nothing.")
-    for line in render_table(rows, unit):
+    gpu_memory = getattr(args, "gpu_memory", None)
+    for line in render_table(rows, unit, gpu_memory):
         print(line)
+    if gpu_memory is not None:
+        print(f"fits: model states <= {format_auto(gpu_memory)} per GPU (activations and the stage-3 working set "
+              "come on top: `zerokit plan`)")
     if hybrid:
         print("Sharded categories hold ceil(Ψ/S) elements per rank (flat buffers padded to a multiple of S).")
     else:
@@ -340,6 +391,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         record = {"num_params": num_params, "world_size": args.world_size, "precision": args.precision,
                   "optimizer": args.optimizer, "model": args.model, "unit": "bytes", "stages": rows,
+                  "lora_params": lora_params, "quantize": quantize,
                   "shard_group_size": shard_ranks, "replicate_groups": args.world_size // shard_ranks, **extras}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2) + "\n")
