@@ -211,3 +211,11 @@ def test_estimate_with_a_quantized_base():
         estimate(psi, 4, 0, quantize="fp4", lora=lora)
     with pytest.raises(ValueError, match="not both"):
         estimate(psi, 4, 0, lora=lora, trainable_params=lora)
+
+
+def test_formats_quant_errors_rank_the_codes():
+    """`zerokit formats --quant`'s measure on normal weights: int8 < NF4 < uniform 4-bit in RMS, at NF4's bytes."""
+    from zerokit.commands.formats import quantization_errors
+    err = quantization_errors([torch.randn(1 << 14, generator=torch.Generator().manual_seed(0))])
+    assert err["int8"]["rms_relative"] < err["nf4"]["rms_relative"] < err["uniform4"]["rms_relative"] < 0.15
+    assert err["nf4"]["bytes_per_param"] == err["uniform4"]["bytes_per_param"] < err["int8"]["bytes_per_param"]

@@ -17,6 +17,13 @@ fp32's range) are then checked against those measurements and printed as PASS/FA
 activation gradients become zero in fp16") on our own tiny GPT: it trains in fp32, records
 dL/d(activation) for every module output at a few steps, and counts what casting those values
 to fp16 would do, with no loss scale and with the LossScaler's initial scale.
+
+`zerokit formats --quant` shows the codes a quantized base (zerokit/quant.py) stores: the 16 NF4
+levels, and the quantization error each code makes, relative (RMS(W - W_q) / RMS(W) and
+max|W - W_q| / max|W|), blockwise absmax in blocks of 64 with double-quantized constants, beside
+its stored bytes per parameter: NF4, int8, and a uniform 4-bit code (round(x / absmax * 7), the
+same bytes as NF4 but evenly spaced levels; its absmax kept exact, a slight advantage). Measured on normally distributed weights and on the
+Linear weights of the built-in GPT (--model) after --steps steps of fp32 AdamW on the corpus.
 """
 from __future__ import annotations
 
@@ -382,10 +389,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="values to show in every format (default: %(default)s)")
     parser.add_argument("--underflow", action="store_true",
                         help="train the tiny GPT in fp32 and measure how its activation gradients fare in fp16")
-    parser.add_argument("--steps", type=positive_int, default=30, help="training steps for --underflow (>= 1)")
-    parser.add_argument("--model", default="tiny", help="model preset for --underflow")
+    parser.add_argument("--quant", action="store_true",
+                        help="NF4's levels and the error of NF4, int8 and uniform 4-bit codes (zerokit/quant.py)")
+    parser.add_argument("--steps", type=positive_int, default=30,
+                        help="training steps for --underflow and --quant (>= 1)")
+    parser.add_argument("--model", default="tiny", help="model preset for --underflow and --quant")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="batch size for --underflow (>= 1)")
-    parser.add_argument("--out", type=Path, default=Path("out/formats"), help="where --underflow writes PNG and JSON")
+    parser.add_argument("--out", type=Path, default=Path("out/formats"),
+                        help="where --underflow writes PNG and JSON, --quant its JSON")
 
 
 def _print_tables(values: list[float]) -> bool:
@@ -435,8 +446,83 @@ def _print_underflow(result: dict[str, Any]) -> None:
           f"{scaled['overflow']:.4%} overflow to inf.")
 
 
+# ---------------------------------------------------------------- quantization error
+def _uniform4(w: torch.Tensor, block_size: int = 64) -> torch.Tensor:
+    """A uniform 4-bit code: per block, round(x / absmax * 7) in [-7, 7], dequantized."""
+    blocks = w.reshape(-1, block_size)
+    absmax = blocks.abs().amax(1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return (torch.round(blocks / absmax * 7) / 7 * absmax).reshape(w.shape)
+
+
+def quantization_errors(weights: list[torch.Tensor], block_size: int = 64) -> dict[str, dict[str, float]]:
+    """Relative RMS and max error of each code over `weights` (each a multiple of block_size), with bytes/param."""
+    from zerokit import quant
+    out = {}
+    for code in ("nf4", "int8", "uniform4"):
+        sq_err = sq = 0.0
+        max_err = max_w = 0.0
+        for w in weights:
+            w = w.detach().float().reshape(-1)
+            if code == "uniform4":
+                wq = _uniform4(w, block_size)
+            else:
+                spec = quant.QuantSpec(code, (w.numel(),), block_size)
+                wq = quant.dequantize_tensor(quant.quantize_tensor(w, spec), spec)
+            err = (w - wq).double()
+            sq_err += float((err ** 2).sum())
+            sq += float((w.double() ** 2).sum())
+            max_err, max_w = max(max_err, float(err.abs().max())), max(max_w, float(w.abs().max()))
+        out[code] = {"rms_relative": math.sqrt(sq_err / sq), "max_relative": max_err / max_w,
+                     "bytes_per_param": quant.bytes_per_element("nf4" if code == "uniform4" else code, block_size)}
+    return out
+
+
+def measure_quantization(model_name: str = "tiny", steps: int = 30, batch_size: int = 16, seed: int = 0) -> dict:
+    """NF4 levels, and the three codes' errors on N(0, 1) weights and on the trained GPT's Linear weights."""
+    from zerokit import quant
+    from zerokit.models import CharCorpus, build_model
+    normal = torch.randn(1 << 20, generator=torch.Generator().manual_seed(seed))
+    model = build_model(model_name, seed=seed)
+    corpus = CharCorpus.load()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        x, y = corpus.batch(batch_size, model.cfg.block_size, step)
+        _, loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    linears = [m.weight for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"]
+    return {"levels": quant.nf4_levels().tolist(), "block_size": 64, "double_quant": True,
+            "normal": quantization_errors([normal]), "model": model_name, "steps": steps,
+            "final_loss": losses[-1] if losses else None,
+            "trained": quantization_errors([w for w in linears if w.numel() % 64 == 0]),
+            "trained_params": sum(w.numel() for w in linears)}
+
+
+def _print_quantization(result: dict[str, Any]) -> None:
+    print("\nNF4's 16 levels (QLoRA: N(0, 1) quantiles scaled to [-1, 1], an exact 0):")
+    print("  " + " ".join(f"{v:+.4f}" for v in result["levels"]))
+    print(f"\nQuantization error, blocks of {result['block_size']}, absmax constants double-quantized "
+          f"(relative: RMS(W - W_q) / RMS(W), max|W - W_q| / max|W|):")
+    print(f"{'code':9} {'B/param':>8}  {'normal RMS':>10} {'normal max':>10}  {'GPT RMS':>10} {'GPT max':>10}")
+    for code in ("nf4", "int8", "uniform4"):
+        n, t = result["normal"][code], result["trained"][code]
+        print(f"{code:9} {n['bytes_per_param']:8.4f}  {n['rms_relative']:10.4%} {n['max_relative']:10.4%}  "
+              f"{t['rms_relative']:10.4%} {t['max_relative']:10.4%}")
+    print(f"normal: 2^20 draws of N(0, 1); GPT: the {result['trained_params']:,} Linear weights of the "
+          f"{result['model']} GPT after {result['steps']} AdamW steps (loss {result['final_loss']:.3f}), head excepted")
+
+
 def run(args: argparse.Namespace) -> int:
     ok = _print_tables(args.values)
+    if getattr(args, "quant", False):
+        result = measure_quantization(model_name=args.model, steps=args.steps, batch_size=args.batch_size)
+        _print_quantization(result)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "quantization.json").write_text(json.dumps(result, indent=1))
+        print(f"\nwrote {args.out / 'quantization.json'}")
     if args.underflow:
         result = measure_underflow(steps=args.steps, model_name=args.model, batch_size=args.batch_size)
         _print_underflow(result)
