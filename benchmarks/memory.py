@@ -84,6 +84,22 @@ records, on every rank:
 Model sizes are GPTs of 4-12 layers and widths 128-768 (see SIZES); their exact parameter counts
 are in the results. Writes benchmarks/results/sweep.json, sweep.md and sweep.png (step time and
 bytes against parameters, one line per stage, one column per world size).
+
+QLoRA mode (`--quantize`): per-rank memory by category with a quantized frozen base (zerokit/quant.py).
+
+    python benchmarks/memory.py --quantize                          # small GPT on 2 gloo ranks + 7B Llama shape
+    python benchmarks/memory.py --quantize --llama-layers 0         # the small GPT only
+
+For each base (unquantized LoRA, nf4, int8), precision and stage: the model is frozen, every Linear
+but the head quantized, LoRA injected on q and v (r = 8), one warm-up step and one measured step,
+then `engine.memory()` (the quantized base as its own category, "quantized_params") beside
+`zk.estimate(..., quantize=..., quantized_params=<each weight's element count>)`, category by
+category, and stage 3's all-gather bytes of the measured step from the comm ledger. First the
+small GPT on `--nproc` gloo ranks (fp32 and bf16), then one process playing rank 0 of
+`--llama-world` (8) ranks (`Comm(simulate=Simulated(0, 8))`) of a Llama with 7B's widths (d = 4096,
+MLP 11008, 32 heads, vocabulary 32000; transformers' LlamaForCausalLM built locally, bf16, LoRA on
+q_proj and v_proj) but `--llama-layers` (2) of its 32 layers, so that it fits this machine; the
+formula for all 32 layers is printed beside it. Writes benchmarks/results/qlora_memory.json and .md.
 """
 from __future__ import annotations
 
@@ -175,6 +191,8 @@ def row_text(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "--quantize" in argv:
+        return qlora_main(argv)
     if "--lora" in argv:
         return lora_main(argv)
     if "--sweep" in argv:
@@ -635,6 +653,188 @@ def lora_main(argv: list[str]) -> int:
     md.append("")
     out.with_suffix(".md").write_text("\n".join(md))
     print(f"\nwrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- --quantize
+QLORA_BASES = (None, "nf4", "int8")  # None: LoRA over the unquantized base
+QLORA_CATEGORIES = ("params", "quantized_params", "grads", "master_params", "optimizer_states")
+LLAMA_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+                num_key_value_heads=32, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def qlora_counts(model) -> dict:
+    """Ψ (a quantized weight by its elements), Ψ_t, and each quantized weight's element count."""
+    from zerokit.quant import quantized_modules
+    q = [m.spec.numel for m in {id(m): m for m in quantized_modules(model).values()}.values()]
+    floats = [p for p in model.parameters() if p.is_floating_point()]
+    return {"num_params": sum(p.numel() for p in floats) + sum(q),
+            "trainable_params": sum(p.numel() for p in floats if p.requires_grad), "quantized": q}
+
+
+def qlora_measure(engine, model, info: dict, base, precision: str, stage: int, step) -> dict:
+    """Warm-up step, measured step; memory by category beside the formula, stage 3's gather bytes."""
+    step(0)
+    before = engine.comm_stats()["all_gather"]
+    start = time.perf_counter()
+    step(1)
+    seconds = time.perf_counter() - start
+    est = zk.estimate(info["num_params"], engine.world_size, stage, precision, optimizer="adamw",
+                      trainable_params=info["trainable_params"], quantize=base,
+                      quantized_params=info["quantized"] or None)
+    return {"base": base or "bf16/fp32 (unquantized)", "precision": precision, "stage": stage,
+            "world_size": engine.world_size, "num_params": info["num_params"],
+            "trainable_params": info["trainable_params"], "memory": engine.memory(),
+            "formula": {c: getattr(est, c) for c in QLORA_CATEGORIES},
+            "gathered_per_step": engine.comm_stats()["all_gather"] - before, "step_s": seconds}
+
+
+def qlora_gpt_rank(rank: int, world_size: int, cfg: dict) -> list[dict]:
+    from zerokit.quant import quantize
+    corpus = CharCorpus(cfg["text"])
+    rows = []
+    for precision in cfg["precisions"]:
+        for base in QLORA_BASES:
+            for stage in STAGES:
+                model = build_model(cfg["model"], seed=0)
+                model.requires_grad_(False)
+                if base:
+                    quantize(model, base, skip=("lm_head",))
+                torch.manual_seed(1)
+                zk.lora.inject(model, targets=("q", "v"), rank=8, alpha=1.0)
+                info = qlora_counts(model)
+                engine = zk.shard(model, torch.optim.AdamW, stage=stage, precision=precision, lr=1e-3, wrap=(Block,))
+                batch = lambda i: corpus.batch(cfg["batch_size"], model.cfg.block_size, i, rank, world_size)  # noqa
+                rows.append(qlora_measure(engine, model, info, base, precision, stage,
+                                          lambda i: train_step(engine, [batch(i)], lambda b: engine(*b)[1])))
+    return rows
+
+
+def qlora_llama(world_size: int, layers: int) -> list[dict]:
+    """Rank 0 of `world_size`, simulated, for a Llama of 7B's widths and `layers` layers, bf16."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from zerokit.quant import quantize, quantized_modules
+    rows = []
+    config = LlamaConfig(num_hidden_layers=layers, **LLAMA_7B)
+    for base in QLORA_BASES:
+        torch.manual_seed(0)
+        prepared = LlamaForCausalLM(config)
+        prepared.requires_grad_(False)
+        if base:
+            quantize(prepared, base, skip=("lm_head",))
+        torch.manual_seed(1)
+        zk.lora.inject(prepared, targets=("q_proj", "v_proj"), rank=8, alpha=1.0)
+        info = qlora_counts(prepared)
+        # The same model with all 32 layers, by the formula: every layer is alike.
+        layer = prepared.model.layers[0]
+        layer_q = [m.spec.numel for m in quantized_modules(layer).values()]
+        layer_float = sum(p.numel() for p in layer.parameters() if p.is_floating_point())
+        layer_t = sum(p.numel() for p in layer.parameters() if p.requires_grad)
+        outside = info["num_params"] - layers * (layer_float + sum(layer_q))
+        full = {"num_params": outside + 32 * (layer_float + sum(layer_q)), "trainable_params": 32 * layer_t,
+                "quantized": layer_q * 32}
+        for stage in STAGES:
+            model = prepared if stage == STAGES[-1] else copy.deepcopy(prepared)
+            engine = zk.shard(model, torch.optim.AdamW, stage=stage, precision="bf16", lr=1e-4,
+                              wrap=(LlamaDecoderLayer,), comm=Comm(simulate=Simulated(0, world_size)))
+            ids = torch.randint(0, config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+            row = qlora_measure(engine, model, info, base, "bf16", stage,
+                                lambda i: train_step(engine, [ids], lambda b: engine(input_ids=b, labels=b).loss))
+            est = zk.estimate(full["num_params"], world_size, stage, "bf16", optimizer="adamw",
+                              trainable_params=full["trainable_params"], quantize=base,
+                              quantized_params=full["quantized"] or None)
+            row["formula_32_layers"] = {c: getattr(est, c) for c in QLORA_CATEGORIES}
+            row["num_params_32_layers"] = full["num_params"]
+            rows.append(row)
+            del engine, model
+            gc.collect()
+        del prepared
+        gc.collect()
+    return rows
+
+
+def _qlora_table(rows: list[dict], formula_key: str = "formula") -> str:
+    head = ("| precision | stage | base | params | quantized | grads | master | optim. states | total | "
+            "formula total | max category error | stage-3 gather / step |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        m, f = r["memory"], r[formula_key]
+        total = sum(m.get(c, 0) for c in QLORA_CATEGORIES)
+        err = max(abs(m.get(c, 0) - f[c]) for c in QLORA_CATEGORIES)
+        gather = f"{r['gathered_per_step'] / 1e6:.3f}" if r["stage"] == 3 else ""
+        lines.append(f"| {r['precision']} | {r['stage']} | {r['base']} | "
+                     + " | ".join(f"{m.get(c, 0) / 1e6:.3f}" for c in QLORA_CATEGORIES)
+                     + f" | {total / 1e6:.3f} | {sum(f.values()) / 1e6:.3f} | {err:,} B | {gather} |")
+    return "\n".join(lines)
+
+
+def _qlora_formula_table(rows: list[dict]) -> str:
+    head = "| stage | base | " + " | ".join(QLORA_CATEGORIES) + " | total |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        f = r["formula_32_layers"]
+        lines.append(f"| {r['stage']} | {r['base']} | " + " | ".join(f"{f[c] / 1e6:.1f}" for c in QLORA_CATEGORIES)
+                     + f" | {sum(f.values()) / 1e6:.1f} |")
+    return "\n".join(lines)
+
+
+def qlora_main(argv: list[str]) -> int:
+    """--quantize: see the module docstring's "QLoRA mode"."""
+    p = argparse.ArgumentParser(description="per-rank memory with a quantized frozen base, per stage")
+    p.add_argument("--quantize", action="store_true", required=True, help="this mode")
+    p.add_argument("--model", default="small", help="GPT preset for the gloo ranks")
+    p.add_argument("--nproc", type=int, default=2, help="gloo ranks")
+    p.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--llama-world", type=int, default=8, help="the simulated world of the Llama rows")
+    p.add_argument("--llama-layers", type=int, default=2, help="decoder layers of the 7B shape (0: no Llama rows)")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "qlora_memory"))
+    args = p.parse_args(argv)
+    record = provenance(command_line(__file__, argv))
+    text = "".join(path.read_text(encoding="utf-8", errors="replace")
+                   for path in sorted((REPO / "zerokit").rglob("*.py")))
+    cfg = {"model": args.model, "batch_size": args.batch_size, "precisions": args.precision, "text": text}
+    per_rank = run_ranks(qlora_gpt_rank, args.nproc, cfg, timeout_s=3600)
+    gpt = []
+    for configs in zip(*per_rank):  # the largest over ranks (they differ by padding only)
+        row = dict(configs[0])
+        row["memory"] = {c: max(r["memory"].get(c, 0) for r in configs) for c in configs[0]["memory"]}
+        row["gathered_per_step"] = max(r["gathered_per_step"] for r in configs)
+        gpt.append(row)
+    llama = qlora_llama(args.llama_world, args.llama_layers) if args.llama_layers else []
+    def gather(rows, base, precision):
+        return next(r["gathered_per_step"] for r in rows if r["base"].startswith(base) and r["stage"] == 3
+                    and r["precision"] == precision)
+    summary = {f"gpt {precision}: stage-3 gather bytes/step nf4 / unquantized":
+               gather(gpt, "nf4", precision) / gather(gpt, "bf16/fp32", precision) for precision in args.precision}
+    if llama:
+        summary["llama 7B widths bf16: stage-3 gather bytes/step nf4 / unquantized"] = (
+            gather(llama, "nf4", "bf16") / gather(llama, "bf16/fp32", "bf16"))
+    md = ["# Per-rank memory with a quantized frozen base (QLoRA), per ZeRO stage", ""]
+    md += provenance_lines(record)
+    md += ["", "MB = 10^6 bytes per rank (the largest over ranks), `engine.memory()` after a step, beside "
+           "`zk.estimate(Ψ, N, stage, precision, trainable_params=Ψ_t, quantize=..., quantized_params=[...])`. "
+           "`max category error` = the largest |measured - formula| over the five categories, in bytes (padding: "
+           "under N elements per flat buffer). Stage-3 gather = the all-gather bytes of one step in the comm "
+           "ledger (every unit in forward, all but the root again in backward).", ""]
+    md += [f"- {k}: {v:.3f}" for k, v in summary.items()]
+    md += ["", f"## small GPT (`{args.model}`), {args.nproc} gloo ranks, LoRA q, v r = 8; "
+           f"Ψ = {gpt[0]['num_params']:,}, Ψ_t = {gpt[0]['trainable_params']:,}", "", _qlora_table(gpt)]
+    if llama:
+        md += ["", f"## Llama, 7B widths, {args.llama_layers} of 32 layers, bf16, simulated rank 0 of "
+               f"{args.llama_world}; LoRA q_proj, v_proj r = 8; Ψ = {llama[0]['num_params']:,}, "
+               f"Ψ_t = {llama[0]['trainable_params']:,}", "", _qlora_table(llama),
+               "", f"The formula for all 32 layers (Ψ = {llama[0]['num_params_32_layers']:,}), by category, MB:",
+               "", _qlora_formula_table(llama)]
+    md.append("")
+    result = {**record, "summary": summary, "gpt": gpt, "llama": llama,
+              "config": {k: v for k, v in vars(args).items()}}
+    print("\n".join(md))
+    write_pair(Path(args.out), result, "\n".join(md))
     return 0
 
 

@@ -227,11 +227,23 @@ def quant_linear(x: torch.Tensor, packed: torch.Tensor, spec: QuantSpec, bias: t
     return _QuantLinearFn.apply(x, packed, bias, spec)
 
 
-def packed_parameter(packed: torch.Tensor, spec: QuantSpec) -> nn.Parameter:
-    """The frozen byte parameter of [Note: quantized storage is one byte parameter]."""
-    p = nn.Parameter(packed, requires_grad=False)
-    p.zerokit_packed = spec  # what the engines, the ledger and checkpoints read (core/flat_param.py)
-    return p
+class PackedParameter(nn.Parameter):
+    """The frozen byte parameter of [Note: quantized storage is one byte parameter]: uint8, its QuantSpec in
+    `zerokit_packed` (what the engines, the ledger and checkpoints read: core/flat_param.py), kept by copies."""
+
+    def __new__(cls, data: torch.Tensor, spec: QuantSpec):
+        p = super().__new__(cls, data, requires_grad=False)
+        p.zerokit_packed = spec
+        return p
+
+    def __deepcopy__(self, memo):
+        if id(self) not in memo:
+            memo[id(self)] = PackedParameter(self.data.clone(memory_format=torch.preserve_format), self.zerokit_packed)
+        return memo[id(self)]
+
+
+def packed_parameter(packed: torch.Tensor, spec: QuantSpec) -> PackedParameter:
+    return PackedParameter(packed, spec)
 
 
 class QuantLinear(nn.Module):

@@ -219,3 +219,12 @@ def test_formats_quant_errors_rank_the_codes():
     err = quantization_errors([torch.randn(1 << 14, generator=torch.Generator().manual_seed(0))])
     assert err["int8"]["rms_relative"] < err["nf4"]["rms_relative"] < err["uniform4"]["rms_relative"] < 0.15
     assert err["nf4"]["bytes_per_param"] == err["uniform4"]["bytes_per_param"] < err["int8"]["bytes_per_param"]
+
+
+def test_a_copied_quantized_model_keeps_its_encoding():
+    import copy
+    model = nn.Sequential(nn.Linear(64, 64)).requires_grad_(False)
+    zk.quantize(model, "nf4")
+    twin = copy.deepcopy(model)
+    assert str(twin[0].weight_quant.zerokit_packed) == "nf4 block 64 double-quant 64x64"
+    assert torch.equal(twin[0].weight_quant, model[0].weight_quant)
