@@ -105,6 +105,8 @@ def test_forward_and_input_gradient_equal_a_linear_holding_w_q(dtype):
     ref = nn.Linear(64, 32).requires_grad_(False)
     ref.load_state_dict({"weight": wq, "bias": lin.bias})
     model.to(dtype), ref.to(dtype)
+    model[0].bias.requires_grad_(True)  # another trainable parameter: the bias of a quantized layer
+    ref.bias.requires_grad_(True)
     x1 = torch.randn(3, 5, 64, dtype=dtype, requires_grad=True)
     x2 = x1.detach().clone().requires_grad_(True)
     y1, y2 = model(x1), ref(x2)
@@ -112,6 +114,7 @@ def test_forward_and_input_gradient_equal_a_linear_holding_w_q(dtype):
     g = torch.randn_like(y1)
     y1.backward(g), y2.backward(g)
     assert torch.equal(x1.grad, x2.grad)
+    torch.testing.assert_close(model[0].bias.grad, ref.bias.grad)
 
 
 def test_the_dequantized_weight_is_not_saved_for_backward():
