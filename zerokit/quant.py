@@ -305,7 +305,7 @@ def quantize(model: nn.Module, fmt: str, targets=None, skip=(), block_size: int 
             raise ValueError(f"zk.quantize: {name}.weight is trainable; a quantized weight is a frozen base. "
                              "Freeze the base first (model.requires_grad_(False); zk.lora.inject adds trainable "
                              f"adapters after), or leave it out with skip=({name.rsplit('.', 1)[-1]!r},)")
-        others = sorted(set(owners[id(w)]) - {n for n, _ in chosen if n == name})
+        others = sorted(set(owners[id(w)]) - {n for n, mm in chosen if mm is m})  # a module under two names: fine
         if others:
             raise ValueError(f"zk.quantize: {name}.weight is tied to {', '.join(others)}; a tied weight is used "
                              f"unquantized there. Skip it: skip=({name.rsplit('.', 1)[-1]!r},)")
@@ -355,7 +355,13 @@ def dequantize_(model: nn.Module) -> nn.Module:
     """In place: every quantized layer becomes a float one holding W_q (in the original dtype, frozen) and
     computing F.linear(x, W_q, bias): QuantLinear -> nn.Linear, a LoRALinear over a quantized base keeps its
     adapters over a float weight. The dequantized twin a torch reference trains; returns `model`."""
+    seen: dict[int, nn.Module] = {}
     for name, m in list(quantized_modules(model).items()):
+        if id(m) in seen:  # one module under several names: replaced (or converted) once, set under each
+            if isinstance(m, QuantLinear):
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child, seen[id(m)])
+            continue
         spec = m.spec
         weight = nn.Parameter(dequantize_tensor(m.weight_quant.detach(), spec).to(spec.dtype), requires_grad=False)
         if isinstance(m, QuantLinear):
@@ -366,7 +372,9 @@ def dequantize_(model: nn.Module) -> nn.Module:
                 lin.bias = m.bias
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, lin)
+            seen[id(m)] = lin
         else:  # a LoRALinear over a quantized base
             del m.weight_quant
             m.weight, m.spec = weight, None
+            seen[id(m)] = m
     return model
