@@ -231,3 +231,17 @@ def test_a_copied_quantized_model_keeps_its_encoding():
     twin = copy.deepcopy(model)
     assert str(twin[0].weight_quant.zerokit_packed) == "nf4 block 64 double-quant 64x64"
     assert torch.equal(twin[0].weight_quant, model[0].weight_quant)
+
+
+def test_memory_and_plan_commands_take_the_quantized_branch(capsys):
+    """FSDP-QLoRA's case: 70B, bf16, two 24 GB GPUs: stage 3 over an NF4 base fits, the plan ends at qlora."""
+    from zerokit.cli import main
+    assert main(["memory", "--params", "70e9", "--world-size", "2", "--quantize", "nf4", "--lora",
+                 "--gpu-memory", "24"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line[:1] in "0123"]
+    assert [r[-1] for r in rows] == ["no", "no", "no", "yes"] and rows[3][-2] == "18.2"
+    assert main(["plan", "--params", "70e9", "--gpus", "2", "--gpu-memory", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "decision: qlora" in out and "LoRA over an NF4 base (QLoRA) + ZeRO-3 + activation checkpointing" in out
+    with pytest.raises(SystemExit, match="add --lora"):
+        main(["memory", "--params", "7e9", "--world-size", "2", "--quantize", "nf4"])
