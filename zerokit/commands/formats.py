@@ -492,7 +492,7 @@ def measure_quantization(model_name: str = "tiny", steps: int = 30, batch_size: 
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     linears = [m.weight for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"]
     return {"levels": quant.nf4_levels().tolist(), "block_size": 64, "double_quant": True,
             "normal": quantization_errors([normal]), "model": model_name, "steps": steps,
