@@ -133,10 +133,10 @@ for i in range(torch.cuda.device_count() if cuda else 0):
     p = torch.cuda.get_device_properties(i)
     print(f"- GPU {i}: {p.name}, {p.total_memory / 2**30:.1f} GiB, compute capability {p.major}.{p.minor}, "
           f"{p.multi_processor_count} SMs")
-# zerokit's collectives (zerokit/core/comm.py) call these; torch releases without them fail at N > 1.
-missing = [f for f in ("all_gather_single", "reduce_scatter_single") if not hasattr(dist, f)]
-print("- torch.distributed." + (", ".join(missing) + ": MISSING (zerokit's NCCL paths at N > 1 will fail)"
-                                if missing else "all_gather_single / reduce_scatter_single: present"))
+# zerokit's tensor collectives go by torch 2.13's names, else the older ones (core/gather.py).
+names = [f if hasattr(dist, f) else old for f, old in (("all_gather_single", "all_gather_into_tensor"),
+                                                      ("reduce_scatter_single", "reduce_scatter_tensor"))]
+print("- torch.distributed tensor collectives used: " + " / ".join(names))
 mods = {m: importlib.util.find_spec(m) is not None for m in ("numpy", "tqdm", "safetensors", "pytest",
                                                              "pytest_timeout", "hypothesis", "matplotlib")}
 print("- python packages: " + ", ".join(f"{m} {'yes' if ok else 'NO'}" for m, ok in mods.items()))

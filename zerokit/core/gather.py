@@ -48,6 +48,21 @@ import torch.distributed as dist
 GLOO_COALESCE_NUMEL = 1 << 20  # the most output elements one packed gloo gather takes
 
 
+# [Note: the tensor collectives' names] torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor
+# to all_gather_single / reduce_scatter_single (the old names warn there); earlier torch has only the old
+# ones. Looked up at each call, so a test that wraps torch's function sees zerokit's calls.
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """`dist.all_gather_single`, under whichever name this torch has it."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """`dist.reduce_scatter_single` (a sum), under whichever name this torch has it."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
 def free_storage(t: torch.Tensor) -> None:
     """Give back a tensor's bytes, keeping the tensor (and every view of it) for a later re-allocation.
 
@@ -143,7 +158,7 @@ def gather_many(comm, outputs: list[torch.Tensor], inputs: list[torch.Tensor], c
 
         return works, lent, finish_all if finishes else None
     if not coalesce or len(outputs) == 1 or _torch_checks_each_collective():
-        return [dist.all_gather_single(output, input, group=comm.group, async_op=True)
+        return [all_gather_single(output, input, group=comm.group, async_op=True)
                 for output, input in zip(outputs, inputs)], (), None
     return coalesced_gather(comm, outputs, inputs).works, (), None
 
@@ -152,7 +167,7 @@ def coalesced_gather(comm, outputs: list[torch.Tensor], inputs: list[torch.Tenso
     """torch's coalesced all-gathers (NCCL's way: it receives in place); something with `works` and `wait()`."""
     with dist._coalescing_manager(group=comm.group, async_ops=True) as coalesced:
         for output, input in zip(outputs, inputs):
-            dist.all_gather_single(output, input, group=comm.group)
+            all_gather_single(output, input, group=comm.group)
     return coalesced
 
 
