@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerokit.core.comm import Comm, Simulated
-from zerokit.core.config import DEFAULT_BUCKET_NUMEL, ShardConfig, check_optimizer_kwargs
+from zerokit.core.config import DEFAULT_BUCKET_NUMEL, ShardConfig, check_optimizer_kwargs, default_bucket_numel
 from zerokit.core.hybrid import HybridComm, check_shard_group_size, hybrid_groups
 from zerokit.core.precision import LossScaler, make_policy
 
@@ -70,7 +70,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600) -> tupl
 
 
 def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW, *, stage: int = 0,
-          precision: str = "fp32", reduce_dtype: torch.dtype | None = None, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+          precision: str = "fp32", reduce_dtype: torch.dtype | None = None, bucket_numel: int | None = None,
           wrap=None, prefetch: int = 1, reshard_after_forward: bool = True, group=None, param_groups=None,
           loss_scaler: dict | None = None, ordered_reduction: bool | None = None, comm: Comm | None = None,
           accumulate: str | None = None, max_in_flight: int = 2, cast_inputs: bool = True,
@@ -86,6 +86,8 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     `optimizer_cls`; `param_groups(name, param) -> dict` overrides them per parameter,
     and parameters with equal overrides share one flat buffer. `loss_scaler` holds
     LossScaler keywords for fp16 (init_scale, growth_interval, hysteresis, ...).
+    `bucket_numel` (stages 0-2): elements per flat gradient bucket; None (the default) picks a sixteenth
+    of the trainable parameters, within [64 Ki, 4 Mi] (core/config.py [Note: default bucket size]).
     `reduce_dtype` (e.g. torch.float32 with precision="bf16") is the dtype gradients are
     reduced and their shards kept in (default: the param dtype; see core/grad_reduce.py).
     `ordered_reduction`: see core/ordered.py [Note: ordered reduction] (None = ordered on
@@ -137,6 +139,8 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer class, got {optimizer_cls!r}")
+    if bucket_numel is None:  # core/config.py [Note: default bucket size]
+        bucket_numel = default_bucket_numel(sum(p.numel() for p in model.parameters() if p.requires_grad))
     config = ShardConfig(stage=stage, bucket_numel=bucket_numel, param_groups=param_groups, cast_inputs=cast_inputs,
                          accumulate=accumulate, max_in_flight=max_in_flight, wrap=wrap, prefetch=prefetch,
                          reshard_after_forward=reshard_after_forward, reduction=reduction,
