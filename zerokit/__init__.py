@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import warnings
 from datetime import timedelta
 
 import torch
@@ -33,10 +34,24 @@ STAGES = {
     3: "zerokit.stages.zero3:Zero3Engine",
 }
 
+def choose_backend(backend: str | None, local_rank: int, local_ranks: int, gpus: int) -> str:
+    """`init_distributed`'s backend: the one given, else nccl with a GPU for every local rank, else gloo."""
+    if backend is None:
+        backend = "nccl" if 0 < local_ranks <= gpus else "gloo"
+        if 0 < gpus < local_ranks:
+            warnings.warn(f"{local_ranks} local ranks but {gpus} GPU(s): NCCL needs a GPU per rank, so zerokit "
+                          "uses gloo on the CPU (start at most one rank per GPU for NCCL)", stacklevel=3)
+    if backend == "nccl" and local_rank >= gpus:
+        raise ValueError(f"backend='nccl' on local rank {local_rank} with {gpus} GPU(s) visible: NCCL needs a GPU "
+                         "per rank; start at most one rank per GPU, or pass backend='gloo'")
+    return backend
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = 600) -> tuple[int, int]:
     """Join the process group torchrun describes (env://); return (rank, world_size).
 
-    nccl when CUDA is available, else gloo. `timeout_s`: how long a collective waits for
+    nccl when CUDA is available with a GPU for every local rank, else gloo (with a warning when
+    GPUs are there but fewer than torchrun's local ranks: NCCL needs one per rank). `timeout_s`: how long a collective waits for
     the other ranks before it fails (a rank that stopped, or ran fewer steps). Without
     torchrun's environment (no WORLD_SIZE) nothing is initialised and (0, 1) is returned:
     every zerokit collective is then an identity.
@@ -49,10 +64,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600) -> tupl
         return dist.get_rank(), dist.get_world_size()
     if "WORLD_SIZE" not in os.environ:
         return 0, 1
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = choose_backend(backend, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                             torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_rank)
     # Before the group exists: imported later (torch.optim imports it on first use), its
     # `group=group.WORLD` defaults would hold the group past destroy_process_group().
     importlib.import_module("torch.distributed.nn")
