@@ -102,8 +102,8 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     `optimizer_cls`; `param_groups(name, param) -> dict` overrides them per parameter,
     and parameters with equal overrides share one flat buffer. `loss_scaler` holds
     LossScaler keywords for fp16 (init_scale, growth_interval, hysteresis, ...).
-    `bucket_numel` (stages 0-2): elements per flat gradient bucket; None (the default) picks a sixteenth
-    of the trainable parameters, within [64 Ki, 4 Mi] (core/config.py [Note: default bucket size]).
+    `bucket_numel` (stages 0-2): elements per flat gradient bucket; None (the default) picks a thirty-second
+    of the trainable parameters, within [32 Ki, 4 Mi] (core/config.py [Note: default bucket size]).
     `reduce_dtype` (e.g. torch.float32 with precision="bf16") is the dtype gradients are
     reduced and their shards kept in (default: the param dtype; see core/grad_reduce.py).
     `ordered_reduction`: see core/ordered.py [Note: ordered reduction] (None = ordered on

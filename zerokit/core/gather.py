@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 GLOO_COALESCE_NUMEL = 1 << 20  # the most output elements one packed gloo gather takes
-GLOO_PACK_BELOW = 1 << 16  # outputs this size or larger are gathered in their own rows, never packed
+GLOO_PACK_BELOW = 1 << 15  # outputs this size or larger are gathered in their own rows, never packed
 
 
 # [Note: the tensor collectives' names] torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor
