@@ -334,6 +334,18 @@ def bucket_tradeoff(args) -> int:
     return 0
 
 
+def _record(args, prov: dict, cells: list[dict], start: float, plan: list) -> dict:
+    rows = rows_of(cells)
+    skipped = [s for s in args.sizes if s not in BF16_SIZES and DEVICE == "cpu"]
+    cut = (f"bf16 only at {', '.join(s for s in BF16_SIZES if s in args.sizes)} (bf16 on this CPU is slower than "
+           f"fp32, and {', '.join(skipped)} would double the run)" if "bf16" in args.precisions and skipped
+           else "nothing beyond the grid given") + f"; steps per run (first left out), rounds: {STEPS}"
+    if len(cells) < len(plan):
+        cut += f"; so far {len(cells)} of {len(plan)} cells"
+    return {"provenance": prov, "settings": {"batch_size": args.batch_size, "block": BLOCK},
+            "seconds": time.perf_counter() - start, "cut": cut, "cells": cells, "rows": rows, "fits": fits(rows)}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
@@ -364,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     cells, bases = [], {}
     plan = [(s, n, p) for p in args.precisions for s in args.sizes for n in args.world_sizes
             if p == "fp32" or s in BF16_SIZES or DEVICE == "cuda"]
+    plan.sort(key=lambda cell: cell[0] == "124M")  # the largest size last: the longest cells, the most memory
     for size, n, precision in plan:
         if (size, precision) not in bases:
             bases[size, precision] = compute_only(size, precision, args.batch_size)
@@ -375,14 +388,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"x{line['ratio_vs_fastest'] or float('nan'):.2f} vs {line['fastest_peer']}; peak "
                   f"{_mb(line['zerokit_peak_step_bytes'])} MiB vs {_mb(line['lowest_peer_peak_step_bytes'])} "
                   f"({line['lowest_peak_peer']})  [{result['seconds']} s]", flush=True)
-    rows = rows_of(cells)
-    skipped = [s for s in args.sizes if s not in BF16_SIZES and DEVICE == "cpu"]
-    cut = (f"bf16 only at {', '.join(s for s in BF16_SIZES if s in args.sizes)} (bf16 on this CPU is slower than "
-           f"fp32, and {', '.join(skipped)} would double the run)" if "bf16" in args.precisions and skipped
-           else "nothing beyond the grid given") + f"; steps per run (first left out), rounds: {STEPS}"
-    record = {"provenance": prov, "settings": {"batch_size": args.batch_size, "block": BLOCK},
-              "seconds": time.perf_counter() - start, "cut": cut, "cells": cells, "rows": rows, "fits": fits(rows)}
-    write_pair(args.out, record, markdown(record))
+        record = _record(args, prov, cells, start, plan)
+        write_pair(args.out, record, markdown(record))  # after every cell: a run cut short keeps what it measured
     plot(record, args.out.with_suffix(".png"))
     print(markdown(record))
     return 0

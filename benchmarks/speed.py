@@ -662,6 +662,7 @@ def speed_rank(rank: int, world_size: int, cfg: dict) -> dict[str, list[dict]]:
     for round_index in range(cfg["rounds"]):
         names = list(order) if round_index % 2 == 0 else list(reversed(order))
         for name in names:
+            gc.collect()  # the last run's engine and optimizer (reference cycles) go before this one is built
             runs[name].append(_guarded(name, lambda: _timed_steps(cfg, rank, world_size, device, *order[name]())))
     if cfg.get("memory_steps", 0) > 0:
         for name in order:
