@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--model", default="small", help="a zerokit preset, or a size of benchmarks/scaling.py (4M, ...)")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--reduction", default="default", choices=["default", "ordered", "native"],
+                   help="zerokit's reduction recipe (speed.py's --reduction; default: ordered on gloo)")
     p.add_argument("--bucket-numel", type=int, default=1 << 16, help="zerokit's (and DDP's) bucket; 0: the defaults")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--warmup", type=int, default=3, help="steps before the measured one (default 3)")
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     block = model.block_size if args.model in scaling.SIZES else preset(args.model).block_size
     cfg = {"model": model, "block_size": block, "nproc": args.nproc, "steps": 1,
            "warmup": 0, "rounds": 1, "precision": args.precision, "batch_size": args.batch_size, "lr": 3e-3,
-           "bucket_numel": args.bucket_numel or None, "seed": 0, "stages": [0, 1, 2, 3], "device": "cpu", "reduction": "default",
+           "bucket_numel": args.bucket_numel or None, "seed": 0, "stages": [0, 1, 2, 3], "device": "cpu", "reduction": args.reduction,
            "peers": "default", "memory_steps": 1, "memory_warmup": args.warmup}
     runs = []
     for name in args.runs:
