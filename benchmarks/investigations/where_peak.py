@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     block = model.block_size if args.model in scaling.SIZES else preset(args.model).block_size
     cfg = {"model": model, "block_size": block, "nproc": args.nproc, "steps": 1,
            "warmup": 0, "rounds": 1, "precision": args.precision, "batch_size": args.batch_size, "lr": 3e-3,
-           "bucket_numel": args.bucket_numel or None, "seed": 0, "stages": [0, 1, 2, 3], "device": "cpu", "reduction": args.reduction,
+           "bucket_numel": args.bucket_numel or None, "seed": 0, "stages": [0, 1, 2, 3], "device": "cpu", "reduction": args.reduction, "peer_precision": "match",
            "peers": "default", "memory_steps": 1, "memory_warmup": args.warmup}
     runs = []
     for name in args.runs:
