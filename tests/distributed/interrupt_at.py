@@ -6,7 +6,7 @@ benchmarks/investigations/interruptions.py (run as a script, under torchrun or a
 Process attempt i (the i-th start of a rank, counted in the MARKER file) is armed with the i-th
 WHERE@CALL (and its own ACTION, if it names one): the CALL-th time (from 1) rank RANK enters the model's forward (`forward`), runs its
 backward (`backward`, from a hook on the logits), enters the optimizer step (`optimizer`), or has
-written its checkpoint file with nothing committed yet (`save`), it appends a line to MARKER and
+written its checkpoint file with nothing committed yet (`save`), it appends a line to MARKER (point, action, time) and
 ACTION happens: `kill` (SIGKILL itself), `term` (SIGTERM itself), `term-agent` (SIGTERM its parent,
 torchrun's agent, which forwards it to every rank). Past the last entry nothing is armed, so
 torchrun's last restart, or a resume, runs clean.
@@ -14,6 +14,7 @@ torchrun's last restart, or a resume, runs clean.
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 
@@ -37,7 +38,7 @@ def _arm() -> None:
         if count[0] != call:
             return
         with open(marker, "a") as f:
-            f.write(f"{where}@{call} {action}\n")
+            f.write(f"{where}@{call} {action} {time.time():.3f}\n")  # the time: signal-to-exit in the benchmark
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "term":
