@@ -2,6 +2,7 @@
 benchmarks/investigations/interruptions.py (run as a script, under torchrun or alone):
 
     ZEROKIT_INTERRUPT="RANK:ACTION:MARKER:WHERE@CALL,WHERE@CALL@ACTION,..." python tests/distributed/interrupt_at.py train ...
+    ZEROKIT_INTERRUPT=... python tests/distributed/interrupt_at.py examples/resumable_loop.py DIR   # a script
 
 Process attempt i (the i-th start of a rank, counted in the MARKER file) is armed with the i-th
 WHERE@CALL (and its own ACTION, if it names one): the CALL-th time (from 1) rank RANK enters the model's forward (`forward`), runs its
@@ -87,5 +88,10 @@ def _arm() -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     _arm()
+    if sys.argv[1].endswith(".py"):  # a script of one's own (examples/resumable_loop.py)
+        import runpy
+        sys.argv = sys.argv[1:]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        sys.exit(0)
     from zerokit.cli import main
     sys.exit(main(sys.argv[1:]))

@@ -22,6 +22,7 @@ from zerokit.launch import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 INTERRUPT_AT = os.path.join(REPO, "tests", "distributed", "interrupt_at.py")
+EXAMPLE = os.path.join(REPO, "examples", "resumable_loop.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 STEPS = ["--model", "tiny", "--steps", "6", "--no-progress"]
 TREE = STEPS + ["--reduction", "tree"]
@@ -136,3 +137,27 @@ def test_stop_requested_is_the_same_on_every_rank_once_any_rank_was_signalled(tm
     assert a0 == a1 == [False, False, True, True, True]
     assert (s0, s1) == (None, "SIGTERM")
     assert not dist.is_initialized()
+
+
+def _example_in_process(directory, capsys) -> str:
+    import runpy
+
+    from zerokit.core import preemption
+    argv = sys.argv
+    sys.argv = [EXAMPLE, str(directory)]
+    try:
+        runpy.run_path(EXAMPLE, run_name="__main__")
+    finally:
+        sys.argv = argv
+        preemption.SIGNALS.release()
+    return re.findall(r"rank 0 weights sha256 ([0-9a-f]{64})", capsys.readouterr().out)[0]
+
+
+def test_the_readme_loop_saves_on_sigterm_and_its_rerun_ends_as_the_run_never_stopped(tmp_path, capsys):
+    """examples/resumable_loop.py (the README's loop): SIGTERM during step 15's optimizer step makes it save
+    step 15 and exit 75; the same command again resumes there and ends with the uninterrupted run's weights."""
+    expected = _example_in_process(tmp_path / "straight", capsys)
+    done = subprocess.run([sys.executable, INTERRUPT_AT, EXAMPLE, str(tmp_path / "ck")], cwd=REPO, timeout=240,
+                          env=_env(f"0:term:{tmp_path / 'fired'}:optimizer@15"), capture_output=True, text=True)
+    assert done.returncode == 75 and "rank 0: stopped after step 15, saved" in done.stdout, done.stdout + done.stderr
+    assert _example_in_process(tmp_path / "ck", capsys) == expected
