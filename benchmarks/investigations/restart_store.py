@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,11 +47,15 @@ def trial(prefixed: bool, timeout: float) -> dict:
                                                    "--save", str(Path(tmp) / "ck"), "--save-every", "1",
                                                    "--resume", "auto"]
         start = time.time()
+        # its own session: a hung run's workers are killed with the agent, not left behind
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
         try:
-            done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-            rc, out = done.returncode, done.stdout + done.stderr
-        except subprocess.TimeoutExpired as exc:
-            rc, out = "hung", (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
+            out = proc.communicate(timeout=timeout)[0]
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc, out = "hung", proc.communicate()[0]
         kills = len(marker.read_text().splitlines()) if marker.exists() else 0
         return {"prefixed": prefixed, "returncode": rc, "seconds": time.time() - start, "kills": kills,
                 "connect_failures": out.count("Gloo connectFullMesh failed"),
