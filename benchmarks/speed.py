@@ -159,6 +159,7 @@ from zerokit.provenance import command_line, git_commit, provenance, provenance_
 # (per-parameter broadcasts, reduce-scatter), which moves the last bits of each step's
 # update, and over tens of steps that drift stays around 1e-6..1e-5 on the loss.
 FP32_LOSS_TOLERANCE = 1e-4
+DDP_DEFAULT_BUCKET_NUMEL = 25 * 2**20 // 4  # DDP's own default cap, bucket_cap_mb=25, in fp32 elements
 MODEL_STATES = ("params", "grads", "master_params", "optimizer_states")
 ORDERED = {"default": None, "ordered": True, "native": False}  # --reduction -> zk.shard(ordered_reduction=)
 DDP, ZERO = "torch DDP", "torch ZeroRedundancyOptimizer"
@@ -500,9 +501,10 @@ def _zerokit(cfg: dict, device: torch.device, stage: int) -> Loop:
     from zerokit.models import Block
 
     model = _initial_model(cfg).to(device)
+    bucket = {} if cfg["bucket_numel"] is None else {"bucket_numel": cfg["bucket_numel"]}  # None: zerokit's default
     engine = zk.shard(model, torch.optim.AdamW, stage=stage, precision=cfg["precision"], lr=cfg["lr"],
-                      weight_decay=0.1, bucket_numel=cfg["bucket_numel"], wrap=(Block,), param_groups=no_decay,
-                      ordered_reduction=ORDERED[cfg["reduction"]])
+                      weight_decay=0.1, wrap=(Block,), param_groups=no_decay,
+                      ordered_reduction=ORDERED[cfg["reduction"]], **bucket)
 
     def step(x, y):  # zerokit's one step, zero_grad first (commands/step.py): nothing left to end the step
         return train_step(engine, [(x, y)], lambda batch: engine(*batch)[1]).loss
@@ -517,7 +519,9 @@ def _torch_ddp(cfg: dict, device: torch.device, zero: bool) -> Loop:
     model = _initial_model(cfg).to(device)
     # gradient_as_bucket_view: grads live in the all-reduce buckets, as zerokit's live in its
     # flat buffers (no copy after the all-reduce); the bucket size is zerokit's.
-    ddp, _ = torch_ddp(model, cfg["bucket_numel"], device, gradient_as_bucket_view=True)
+    # `ddp_bucket_numel` (benchmarks/scaling.py): DDP's own cap whatever zerokit's
+    cap = cfg.get("ddp_bucket_numel") or cfg["bucket_numel"] or DDP_DEFAULT_BUCKET_NUMEL
+    ddp, _ = torch_ddp(model, cap, device, gradient_as_bucket_view=True)
     groups = _param_groups(model)
     if zero:
         # parameters_as_bucket_view: one broadcast per bucket of params instead of one per
@@ -527,8 +531,11 @@ def _torch_ddp(cfg: dict, device: torch.device, zero: bool) -> Loop:
     else:
         opt = torch.optim.AdamW(groups, lr=cfg["lr"], weight_decay=0.1, foreach=True)
 
+    autocast = _peer_bf16(cfg)
+
     def train_step(x, y):
-        _, loss = ddp(x, y)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            _, loss = ddp(x, y)
         loss.backward()
         opt.step()
         return loss
@@ -556,32 +563,42 @@ def _torch_plain(cfg: dict, device: torch.device, variant: str) -> Loop:
     return train_step, opt.zero_grad, lambda: _torch_memory(list(model.parameters()), opt.state)
 
 
-def _fsdp2(model: torch.nn.Module, world_size: int, device: torch.device) -> torch.nn.Module:
+def _peer_bf16(cfg: dict) -> bool:
+    """Whether the torch peers compute in bf16 too (`peer_precision: "match"` under zerokit bf16, as
+    benchmarks/scaling.py sets it): DDP and ZeroRedundancyOptimizer under autocast, FSDP with bf16 params
+    and reductions. Otherwise the peers stay fp32, as in `zerokit compare`."""
+    return cfg.get("peer_precision") == "match" and cfg["precision"] == "bf16"
+
+
+def _fsdp2(model: torch.nn.Module, world_size: int, device: torch.device, bf16: bool = False) -> torch.nn.Module:
     """FSDP2: `fully_shard` on every Block (one unit each, as zerokit's wrap=(Block,)), then the root."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else \
+        MixedPrecisionPolicy()
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    return fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
-def _fsdp1(model: torch.nn.Module, device: torch.device, strategy: str) -> torch.nn.Module:
+def _fsdp1(model: torch.nn.Module, device: torch.device, strategy: str, bf16: bool = False) -> torch.nn.Module:
     """FSDP1: FullyShardedDataParallel with one unit per Block, the given ShardingStrategy.
 
     `device_id` is the rank's device on CPU too: torch 2.13's FSDP1 refuses device_id=None
     when no accelerator is present. `use_orig_params=True` keeps one optimizer parameter per
     model parameter, so that AdamW can hold the decay / no-decay groups.
     """
-    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from zerokit.models import Block
 
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else None
     return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
                                     sharding_strategy=getattr(ShardingStrategy, strategy), use_orig_params=True,
-                                    device_id=device)
+                                    device_id=device, mixed_precision=mp)
 
 
 def _torch_fsdp(cfg: dict, world_size: int, device: torch.device, variant: str) -> Loop:
@@ -589,9 +606,10 @@ def _torch_fsdp(cfg: dict, world_size: int, device: torch.device, variant: str) 
     model = _initial_model(cfg).to(device)
     names = _no_decay_names(model)
     if variant == FSDP2:
-        wrapped = _fsdp2(model, world_size, device)
+        wrapped = _fsdp2(model, world_size, device, _peer_bf16(cfg))
     else:
-        wrapped = _fsdp1(model, device, "SHARD_GRAD_OP" if variant == FSDP1_GRAD_OP else "FULL_SHARD")
+        wrapped = _fsdp1(model, device, "SHARD_GRAD_OP" if variant == FSDP1_GRAD_OP else "FULL_SHARD",
+                         _peer_bf16(cfg))
     # parameters() after wrapping: FSDP2's are DTensor shards, FSDP1's views of its flat shards
     opt = torch.optim.AdamW(_param_groups(wrapped, names), lr=cfg["lr"], weight_decay=0.1, foreach=True)
 

@@ -8,15 +8,17 @@ import torch.distributed as dist
 import zerokit as zk
 
 rank, world_size = zk.init_distributed()  # torchrun's env://; without torchrun, world size 1
+# NCCL (a GPU per rank; init_distributed set this rank's): the model and batches live there
+device = torch.device("cuda") if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
 torch.manual_seed(0)  # every rank builds the same model (zk.shard checks they agree)
-model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)).to(device)
 stage = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 engine = zk.shard(model, torch.optim.AdamW, stage=stage, lr=1e-2)  # wraps model, owns the optimizer
 
-target = torch.randn(16, 1, generator=torch.Generator().manual_seed(1))  # the same on every rank
+target = torch.randn(16, 1, generator=torch.Generator().manual_seed(1)).to(device)  # the same on every rank
 data = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
 for step in range(60):
-    x = torch.randn(32, 16, generator=data)
+    x = torch.randn(32, 16, generator=data).to(device)
     loss = torch.nn.functional.mse_loss(engine(x), x @ target)  # engine(x) runs model(x)
     loss.backward()  # gradients are averaged over ranks during backward
     engine.step()  # the sharded AdamW step

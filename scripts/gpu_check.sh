@@ -17,15 +17,18 @@
 #   4 speed        benchmarks/speed.py --peers plain --nproc 1 --model gpt2-medium ...
 #                  -> speed_vs_torch_plain_cuda.{json,md}: each stage at world size 1, bf16,
 #                  against plain torch (autocast bf16; bf16 params), median of 10 steps x 2 rounds
-# Everything goes to one folder, at most 8 files: summary.md, log.txt (every step's output),
-# 2 junit XML, 2 results pairs (command, date, commit, machine and versions in each, through
+#   5 scaling      benchmarks/scaling.py --sizes 50M 124M --world-sizes 1 ... (NCCL, one rank)
+#                  -> scaling_cuda.{json,md,png}: the sweep's largest sizes, each stage beside
+#                  DDP, ZeroRedundancyOptimizer, FSDP1 and FSDP2, fp32 and bf16
+# Everything goes to one folder, 11 files: summary.md, log.txt (every step's output), 2 junit
+# XML, 3 results sets (command, date, commit, machine and versions in each, through
 # zerokit/provenance.py). Exit status: 0 when every step passed, 3 without a CUDA torch, else 1.
 #
 # Installs nothing: it uses the first of $PYTHON, .venv/bin/python, python3, python whose torch
 # sees a GPU, and runs zerokit from this checkout (PYTHONPATH), so a CUDA torch already on the
 # machine is what runs. Needs: torch with CUDA, numpy, tqdm, safetensors, pytest (pytest-timeout
-# is used when present). Environment: PYTHON; GPU_CHECK_TIMEOUT_{PREFLIGHT,TESTS,SIDE,MEMORY,SPEED}
-# (seconds, defaults 30/120/60/100/150: 460 s in all); ZEROKIT_GIT_COMMIT (the commit, when this
+# is used when present). Environment: PYTHON; GPU_CHECK_TIMEOUT_{PREFLIGHT,TESTS,SIDE,MEMORY,SPEED,SCALING}
+# (seconds, defaults 30/120/60/100/150, and SCALING 300: 760 s in all); ZEROKIT_GIT_COMMIT (the commit, when this
 # tree is a copy without .git: the results then say so instead of "unknown").
 set -uo pipefail
 
@@ -53,6 +56,7 @@ T_TESTS="${GPU_CHECK_TIMEOUT_TESTS:-120}"
 T_SIDE="${GPU_CHECK_TIMEOUT_SIDE:-60}"
 T_MEMORY="${GPU_CHECK_TIMEOUT_MEMORY:-100}"
 T_SPEED="${GPU_CHECK_TIMEOUT_SPEED:-150}"
+T_SCALING="${GPU_CHECK_TIMEOUT_SCALING:-300}"
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # zerokit from this checkout, in spawned ranks too
 export PYTHONUNBUFFERED=1
@@ -133,10 +137,10 @@ for i in range(torch.cuda.device_count() if cuda else 0):
     p = torch.cuda.get_device_properties(i)
     print(f"- GPU {i}: {p.name}, {p.total_memory / 2**30:.1f} GiB, compute capability {p.major}.{p.minor}, "
           f"{p.multi_processor_count} SMs")
-# zerokit's collectives (zerokit/core/comm.py) call these; torch releases without them fail at N > 1.
-missing = [f for f in ("all_gather_single", "reduce_scatter_single") if not hasattr(dist, f)]
-print("- torch.distributed." + (", ".join(missing) + ": MISSING (zerokit's NCCL paths at N > 1 will fail)"
-                                if missing else "all_gather_single / reduce_scatter_single: present"))
+# zerokit's tensor collectives go by torch 2.13's names, else the older ones (core/gather.py).
+names = [f if hasattr(dist, f) else old for f, old in (("all_gather_single", "all_gather_into_tensor"),
+                                                      ("reduce_scatter_single", "reduce_scatter_tensor"))]
+print("- torch.distributed tensor collectives used: " + " / ".join(names))
 mods = {m: importlib.util.find_spec(m) is not None for m in ("numpy", "tqdm", "safetensors", "pytest",
                                                              "pytest_timeout", "hypothesis", "matplotlib")}
 print("- python packages: " + ", ".join(f"{m} {'yes' if ok else 'NO'}" for m, ok in mods.items()))
@@ -217,6 +221,7 @@ if [ "$DRY_RUN" = 1 ]; then
                --seq-len 32 --steps 2)
   SPEED_ARGS=(--peers plain --nproc 1 --model tiny --precision bf16 --batch-size 8 --steps 4 --warmup 1 --rounds 2
               --bucket-numel 4194304)
+  SCALING_ARGS=(--sizes 1M --world-sizes 1 --precisions fp32 --batch-size 1)
 else
   # 1.56e9 parameters, 16 bytes each at stage 0: ~25 GB of model states; 1 x 1024 tokens of activations.
   MEMORY_ARGS=(--device cuda --model gpt2-xl --world-sizes 8 64 --stages 0 1 2 3 --precision bf16 --batch-size 1
@@ -224,6 +229,8 @@ else
   # 355M parameters, 8 x 1024 tokens per step; buckets of zerokit's default size (4Mi elements).
   SPEED_ARGS=(--peers plain --nproc 1 --model gpt2-medium --precision bf16 --batch-size 8 --steps 15 --warmup 5
               --rounds 2 --bucket-numel 4194304)
+  # the CPU sweep's two largest sizes, 8 x 64 tokens per step, one rank (one GPU)
+  SCALING_ARGS=(--sizes 50M 124M --world-sizes 1 --precisions fp32 bf16 --batch-size 8)
 fi
 
 run_step "1 tests/gpu" "$T_TESTS" "$PY" -m pytest -q -p no:cacheprovider -rs ${TIMEOUT_FLAG[@]+"${TIMEOUT_FLAG[@]}"} \
@@ -240,6 +247,10 @@ ROWS+=("${LAST_ROW% |}; writes \`memory_per_stage_*_$([ "$DRY_RUN" = 1 ] && echo
 run_step "4 step time vs plain torch" "$T_SPEED" "$PY" benchmarks/speed.py "${SPEED_ARGS[@]}" --out "$OUT_DIR"
 ROWS+=("${LAST_ROW% |}; writes \`speed_vs_torch_plain_*.{json,md}\` |")
 
+run_step "5 scaling beside the peers" "$T_SCALING" "$PY" benchmarks/scaling.py "${SCALING_ARGS[@]}" \
+  --out "$OUT_DIR/scaling_$([ "$DRY_RUN" = 1 ] && echo cpu_dry || echo cuda)"
+ROWS+=("${LAST_ROW% |}; writes \`scaling_*.{json,md,png}\` |")
+
 # ---------------------------------------------------------------------------- summary
 TOTAL=$(( $(date +%s) - START_EPOCH ))
 {
@@ -251,7 +262,7 @@ TOTAL=$(( $(date +%s) - START_EPOCH ))
   echo "- finished: $(date -u +%Y-%m-%dT%H:%M:%SZ), ${TOTAL} s in all; exit 124/137 = the step's timeout killed it"
   echo "- every step's output: log.txt; files here:"
   for f in "$OUT_DIR"/*; do [ -e "$f" ] && echo "  - $(basename "$f")"; done
-  for md in "$OUT_DIR"/memory_per_stage_*.md "$OUT_DIR"/speed_vs_torch_plain_*.md; do
+  for md in "$OUT_DIR"/memory_per_stage_*.md "$OUT_DIR"/speed_vs_torch_plain_*.md "$OUT_DIR"/scaling_*.md; do
     [ -f "$md" ] || continue
     echo
     echo "## $(basename "$md")"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import warnings
 from datetime import timedelta
 
 import torch
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerokit.core.comm import Comm, Simulated
-from zerokit.core.config import DEFAULT_BUCKET_NUMEL, ShardConfig, check_optimizer_kwargs
+from zerokit.core.config import DEFAULT_BUCKET_NUMEL, ShardConfig, check_optimizer_kwargs, default_bucket_numel
 from zerokit.core.hybrid import HybridComm, check_shard_group_size, hybrid_groups
 from zerokit.core.precision import LossScaler, make_policy
 
@@ -33,10 +34,24 @@ STAGES = {
     3: "zerokit.stages.zero3:Zero3Engine",
 }
 
+def choose_backend(backend: str | None, local_rank: int, local_ranks: int, gpus: int) -> str:
+    """`init_distributed`'s backend: the one given, else nccl with a GPU for every local rank, else gloo."""
+    if backend is None:
+        backend = "nccl" if 0 < local_ranks <= gpus else "gloo"
+        if 0 < gpus < local_ranks:
+            warnings.warn(f"{local_ranks} local ranks but {gpus} GPU(s): NCCL needs a GPU per rank, so zerokit "
+                          "uses gloo on the CPU (start at most one rank per GPU for NCCL)", stacklevel=3)
+    if backend == "nccl" and local_rank >= gpus:
+        raise ValueError(f"backend='nccl' on local rank {local_rank} with {gpus} GPU(s) visible: NCCL needs a GPU "
+                         "per rank; start at most one rank per GPU, or pass backend='gloo'")
+    return backend
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = 600) -> tuple[int, int]:
     """Join the process group torchrun describes (env://); return (rank, world_size).
 
-    nccl when CUDA is available, else gloo. `timeout_s`: how long a collective waits for
+    nccl when CUDA is available with a GPU for every local rank, else gloo (with a warning when
+    GPUs are there but fewer than torchrun's local ranks: NCCL needs one per rank). `timeout_s`: how long a collective waits for
     the other ranks before it fails (a rank that stopped, or ran fewer steps). Without
     torchrun's environment (no WORLD_SIZE) nothing is initialised and (0, 1) is returned:
     every zerokit collective is then an identity.
@@ -57,10 +72,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600) -> tupl
         return dist.get_rank(), dist.get_world_size()
     if "WORLD_SIZE" not in os.environ:
         return 0, 1
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = choose_backend(backend, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                             torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_rank)
     # Before the group exists: imported later (torch.optim imports it on first use), its
     # `group=group.WORLD` defaults would hold the group past destroy_process_group().
     importlib.import_module("torch.distributed.nn")
@@ -85,7 +101,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600) -> tupl
 
 
 def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW, *, stage: int = 0,
-          precision: str = "fp32", reduce_dtype: torch.dtype | None = None, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+          precision: str = "fp32", reduce_dtype: torch.dtype | None = None, bucket_numel: int | None = None,
           wrap=None, prefetch: int = 1, reshard_after_forward: bool = True, group=None, param_groups=None,
           loss_scaler: dict | None = None, ordered_reduction: bool | None = None, comm: Comm | None = None,
           accumulate: str | None = None, max_in_flight: int = 2, cast_inputs: bool = True,
@@ -101,6 +117,8 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     `optimizer_cls`; `param_groups(name, param) -> dict` overrides them per parameter,
     and parameters with equal overrides share one flat buffer. `loss_scaler` holds
     LossScaler keywords for fp16 (init_scale, growth_interval, hysteresis, ...).
+    `bucket_numel` (stages 0-2): elements per flat gradient bucket; None (the default) picks a thirty-second
+    of the trainable parameters, within [32 Ki, 4 Mi] (core/config.py [Note: default bucket size]).
     `reduce_dtype` (e.g. torch.float32 with precision="bf16") is the dtype gradients are
     reduced and their shards kept in (default: the param dtype; see core/grad_reduce.py).
     `ordered_reduction`: see core/ordered.py [Note: ordered reduction] (None = ordered on
@@ -152,6 +170,8 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer class, got {optimizer_cls!r}")
+    if bucket_numel is None:  # core/config.py [Note: default bucket size]
+        bucket_numel = default_bucket_numel(sum(p.numel() for p in model.parameters() if p.requires_grad))
     config = ShardConfig(stage=stage, bucket_numel=bucket_numel, param_groups=param_groups, cast_inputs=cast_inputs,
                          accumulate=accumulate, max_in_flight=max_in_flight, wrap=wrap, prefetch=prefetch,
                          reshard_after_forward=reshard_after_forward, reduction=reduction,

@@ -48,11 +48,12 @@ def _build(name: str, cfg: dict):
 
     model = S._initial_model(cfg)
     if name.startswith("zerokit"):
+        bucket = {"bucket_numel": cfg["bucket_numel"]} if cfg["bucket_numel"] else {}  # 0: zerokit's default
         engine = zk.shard(model, torch.optim.AdamW, stage=0, lr=cfg["lr"], weight_decay=0.1,
-                          bucket_numel=cfg["bucket_numel"], wrap=(Block,), param_groups=no_decay)
+                          wrap=(Block,), param_groups=no_decay, **bucket)
         return (engine.zero_grad, lambda x, y: engine(x, y)[1], engine.backward, engine.step,
                 lambda: len(engine.groups))
-    ddp, _ = torch_ddp(model, cfg["bucket_numel"], gradient_as_bucket_view=True)
+    ddp, _ = torch_ddp(model, cfg["bucket_numel"] or S.DDP_DEFAULT_BUCKET_NUMEL, gradient_as_bucket_view=True)
     opt = torch.optim.AdamW(S._param_groups(model), lr=cfg["lr"], weight_decay=0.1, foreach=True)
     return (lambda: opt.zero_grad(set_to_none=False), lambda x, y: ddp(x, y)[1], lambda loss: loss.backward(),
             opt.step, lambda: ddp_all_reduces(ddp))
@@ -128,12 +129,13 @@ def main(argv: list[str] | None = None, *, script: str = __file__, doc: str = __
     name = Path(script).stem
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2, help="gloo ranks")
-    p.add_argument("--model", default="small", help="model preset (zerokit.models)")
+    p.add_argument("--model", default="small", help="model preset (zerokit.models) or a size of benchmarks/scaling.py")
     p.add_argument("--steps", type=int, default=30, help="steps per run, warm-up included")
     p.add_argument("--warmup", type=int, default=5, help="steps of each run left out of the medians")
     p.add_argument("--rounds", type=int, default=4, help="runs of each, alternating the order")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--bucket-numel", type=int, default=65536, help="zerokit's bucket_numel and DDP's cap (x 4 bytes)")
+    p.add_argument("--bucket-numel", type=int, default=65536,
+                   help="zerokit's bucket_numel and DDP's cap (x 4 bytes); 0: each one's default")
     p.add_argument("--timeout", type=float, default=900, help="deadline for the spawn (s)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / name,
                    help="results path without extension (.json and .md are written)")
@@ -141,12 +143,15 @@ def main(argv: list[str] | None = None, *, script: str = __file__, doc: str = __
     record = provenance(command_line(script, argv))
     from zerokit.models import preset
 
-    cfg = {"model": args.model, "seed": 0, "peers": "default", "batch_size": args.batch_size,
-           "block_size": preset(args.model).block_size, "steps": args.steps, "warmup": args.warmup,
+    import scaling
+
+    sized = args.model in scaling.SIZES
+    cfg = {"model": scaling.config(args.model) if sized else args.model, "seed": 0, "peers": "default",
+           "batch_size": args.batch_size, "block_size": scaling.BLOCK if sized else preset(args.model).block_size, "steps": args.steps, "warmup": args.warmup,
            "rounds": args.rounds, "lr": 3e-3, "bucket_numel": args.bucket_numel}
     start = time.perf_counter()
     rows = summarize(run_ranks(phases_rank, args.nproc, cfg, build, runs, timeout_s=args.timeout))
-    result = {**record, "nproc": args.nproc, "config": cfg, "seconds": round(time.perf_counter() - start, 1),
+    result = {**record, "nproc": args.nproc, "config": {**cfg, "model": args.model}, "seconds": round(time.perf_counter() - start, 1),
               "rows": rows}
     print("\n".join(table(rows, peer, collectives)))
     write_pair(args.out, result, (markdown or _markdown)(result))

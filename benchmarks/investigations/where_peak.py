@@ -42,7 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--runs", nargs="+", default=["zerokit stage 3", "torch FSDP2 fully_shard"],
                    help="speed.py run names (default: 'zerokit stage 3' 'torch FSDP2 fully_shard')")
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--model", default="small")
+    p.add_argument("--model", default="small", help="a zerokit preset, or a size of benchmarks/scaling.py (4M, ...)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--bucket-numel", type=int, default=1 << 16, help="zerokit's (and DDP's) bucket; 0: the defaults")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--warmup", type=int, default=3, help="steps before the measured one (default 3)")
     p.add_argument("--repeat", type=int, default=1, help="fresh runs of each (the boundary can vary between them)")
@@ -151,9 +153,13 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     record = provenance(command_line(__file__, argv))  # before the run: the code that produced the numbers
-    cfg = {"model": args.model, "block_size": preset(args.model).block_size, "nproc": args.nproc, "steps": 1,
-           "warmup": 0, "rounds": 1, "precision": args.precision, "batch_size": 8, "lr": 3e-3,
-           "bucket_numel": 1 << 16, "seed": 0, "stages": [0, 1, 2, 3], "device": "cpu", "reduction": "default",
+    import scaling
+
+    model = scaling.config(args.model) if args.model in scaling.SIZES else args.model
+    block = model.block_size if args.model in scaling.SIZES else preset(args.model).block_size
+    cfg = {"model": model, "block_size": block, "nproc": args.nproc, "steps": 1,
+           "warmup": 0, "rounds": 1, "precision": args.precision, "batch_size": args.batch_size, "lr": 3e-3,
+           "bucket_numel": args.bucket_numel or None, "seed": 0, "stages": [0, 1, 2, 3], "device": "cpu", "reduction": "default",
            "peers": "default", "memory_steps": 1, "memory_warmup": args.warmup}
     runs = []
     for name in args.runs:
@@ -162,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append({"name": name, "repeat": k, **out})
             print(f"{name} (run {k + 1}): peak {out['peak_bytes'] / 1e6:.3f} MB, "
                   f"boundary {out['boundary_bytes'] / 1e6:.3f} MB")
-    record.update(config=cfg, warmup=args.warmup, runs=runs)
+    record.update(config={**cfg, "model": args.model}, warmup=args.warmup, runs=runs)
     write_pair(args.out, record, markdown(record))
     return 0
 

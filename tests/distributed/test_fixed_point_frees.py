@@ -233,7 +233,9 @@ def _logging(calls: list):
     """Log this rank's all-to-alls, all-gathers and broadcasts ("a2a", "ag", "bc") of float tensors as
     torch.distributed sees them issued (not debug mode's int64 checks), with their outputs and sizes; returns a
     function that puts torch's back."""
-    originals = {name: getattr(dist, name) for name in ("all_to_all_single", "all_gather_single", "broadcast")}
+    # torch before 2.13 names its all-gather into one tensor all_gather_into_tensor (core/gather.py)
+    ag = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    originals = {name: getattr(dist, name) for name in ("all_to_all_single", ag, "broadcast")}
 
     def log(name, tag):
         def wrapper(*args, **kwargs):
@@ -243,7 +245,7 @@ def _logging(calls: list):
         return wrapper
 
     dist.all_to_all_single = log("all_to_all_single", "a2a")
-    dist.all_gather_single = log("all_gather_single", "ag")
+    setattr(dist, ag, log(ag, "ag"))
     dist.broadcast = log("broadcast", "bc")
     return lambda: [setattr(dist, name, f) for name, f in originals.items()]
 

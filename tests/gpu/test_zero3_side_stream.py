@@ -59,12 +59,13 @@ def _train(stage: int, precision: str, slow_gathers: bool = False, **kw):
     device = torch.device("cuda", torch.cuda.current_device())
     model = odd_model().to(device)
     engine = zk.shard(model, torch.optim.SGD, stage=stage, precision=precision, wrap=(OddBlock,), **kw, **SGD)
-    streams: list[int] = []
+    streams: list[tuple] = []  # (stream, phase, label) of each training gather
     if slow_gathers:
         original = engine.comm.all_gather  # the Comm every Unit holds (stages/zero3.py)
 
         def all_gather(output, input, *args, **kwargs):
-            streams.append(torch.cuda.current_stream().cuda_stream)
+            if kwargs.get("phase") != "state_dict":  # the full state_dict below gathers on the compute stream
+                streams.append((torch.cuda.current_stream().cuda_stream, kwargs.get("phase"), kwargs.get("label")))
             torch.cuda._sleep(SLEEP_CYCLES)  # the gather below starts only after this, on the same stream
             return original(output, input, *args, **kwargs)
 
@@ -95,7 +96,8 @@ def test_gathers_run_on_the_side_stream_and_compute_waits_for_them(monkeypatch, 
     assert side is not None, "CUDA parameters must gather on a side stream"
     assert side.cuda_stream != torch.cuda.current_stream().cuda_stream
     assert len(streams) >= STEPS * len(engine.units), (len(streams), len(engine.units))  # each unit, each forward
-    assert set(streams) == {side.cuda_stream}, "a gather ran on another stream than engine.gather_stream"
+    elsewhere = [(phase, label) for stream, phase, label in streams if stream != side.cuda_stream]
+    assert not elsewhere, f"gathers ran on another stream than engine.gather_stream: {elsewhere[:5]}"
     assert engine.unsharded_param_bytes() == 0, "every unit is freed after the step"
 
     assert torch.isfinite(losses).all(), f"stage 3 read an unfinished gather (NaN): losses {losses.tolist()}"

@@ -84,3 +84,32 @@ def test_reduce_scatter_accumulates_into_a_written_grad_shard_and_drops_its_temp
     r.wait()
     assert r.result is shard and r.transient == []
     assert torch.equal(shard, torch.tensor([11.0, 22.0]))
+
+
+def test_default_bucket_is_a_thirty_second_of_the_trainable_params_within_32ki_and_4mi():
+    from zerokit.core.config import DEFAULT_BUCKET_NUMEL, MIN_BUCKET_NUMEL, default_bucket_numel
+
+    assert default_bucket_numel(1000) == MIN_BUCKET_NUMEL  # a small model: one bucket of the floor
+    assert default_bucket_numel(4_204_801) == 131_401  # Ψ/32, rounded up
+    assert default_bucket_numel(124_000_000) == 3_875_000 and default_bucket_numel(1 << 30) == DEFAULT_BUCKET_NUMEL
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))  # 2,099,200 params
+    model[1].weight.requires_grad_(False)  # frozen params do not count: 1,050,624 trainable
+    engine = zk.shard(model, torch.optim.SGD, stage=1, lr=0.1)
+    assert engine.config.bucket_numel == default_bucket_numel(1_050_624) == 32_832
+    assert zk.shard(torch.nn.Linear(4, 4), torch.optim.SGD, stage=0, bucket_numel=8, lr=0.1).config.bucket_numel == 8
+
+
+def test_backend_is_nccl_only_with_a_gpu_for_every_local_rank():
+    import warnings
+
+    from zerokit import choose_backend
+
+    assert choose_backend(None, 0, 1, 0) == "gloo"
+    assert choose_backend(None, 1, 2, 2) == "nccl"
+    with pytest.warns(UserWarning, match="2 local ranks but 1 GPU"):
+        assert choose_backend(None, 1, 2, 1) == "gloo"  # two ranks on one GPU: NCCL would refuse
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert choose_backend("gloo", 3, 4, 1) == "gloo"  # asked for: no warning
+    with pytest.raises(ValueError, match="start at most one rank per GPU, or pass backend='gloo'"):
+        choose_backend("nccl", 1, 2, 1)

@@ -213,3 +213,42 @@ def test_buffer_broadcast_costs_nothing_without_buffers_and_counts_bytes_with(tm
     assert gpt["without"]["bytes_per_step"] == cnn["without"]["bytes_per_step"] == 0
     assert all(r[k]["step_ms"] > 0 for r in (gpt, cnn) for k in ("with", "without"))
     assert "| cnn |" in (tmp_path / "bb.md").read_text()
+
+
+def test_scaling_fits_recover_known_exponents_and_rows_carry_the_formula():
+    """benchmarks/scaling.py's growth fits on synthetic cells: time ∝ Ψ^0.9 and bytes = zk.estimate's model
+    states (∝ Ψ, and at stage 3 ∝ 1/N) come back as those exponents; each row's efficiency is compute-only
+    time over step time, with the optimizer over Ψ at stage 0 and Ψ/N above."""
+    import scaling
+    from zerokit.core.estimate import estimate
+    from zerokit.provenance import provenance
+
+    cells = []
+    for psi in (1e6, 4e6, 16e6):
+        for n in (1, 2, 4):
+            lines = []
+            for stage in (0, 3):
+                between = estimate(int(psi), n, stage, precision="fp32").total
+                ms = 2e-4 * psi ** 0.9 * (1 + stage)
+                lines.append({"stage": stage, "zerokit_ms": ms, "fastest_peer": "torch DDP", "fastest_peer_ms": 2 * ms,
+                              "ratio_vs_fastest": 0.5, "zerokit_peak_step_bytes": 2 * between,
+                              "lowest_peak_peer": "torch DDP", "lowest_peer_peak_step_bytes": 4 * between,
+                              "zerokit_between_steps_bytes": between, "max_abs_loss_diff": 0.0})
+            cells.append({"size": f"{psi:.0e}", "params": int(psi), "world_size": n, "precision": "fp32",
+                          "compute_only": {"forward_backward_ms": 10.0, "optimizer_ms": 4.0},
+                          "result": {"stages": lines}})
+    rows = scaling.rows_of(cells)
+    assert len(rows) == 18 and all(r["between_over_formula"] == 1 and r["peak_ratio"] == 0.5 for r in rows)
+    row = next(r for r in rows if r["stage"] == 3 and r["world_size"] == 4)
+    assert row["compute_only_ms"] == 11.0 and row["zerokit_efficiency"] == pytest.approx(11.0 / row["zerokit_ms"])
+    assert next(r for r in rows if r["stage"] == 0 and r["world_size"] == 4)["compute_only_ms"] == 14.0
+    fits = {f["stage"]: f for f in scaling.fits(rows)}
+    for stage in (0, 3):
+        assert all(v == pytest.approx(0.9) for v in fits[stage]["time_vs_params"].values())
+        assert fits[stage]["between_vs_params_and_n"] == pytest.approx(fits[stage]["formula_vs_params_and_n"])
+    assert fits[0]["between_vs_params_and_n"] == pytest.approx([1.0, 0.0], abs=1e-6)
+    assert fits[3]["between_vs_params_and_n"] == pytest.approx([1.0, -1.0], abs=2e-3)  # up to padding
+    md = scaling.markdown({"rows": rows, "fits": scaling.fits(rows), "settings": {"batch_size": 1},
+                           "seconds": 1.0, "cut": "nothing",
+                           "provenance": provenance("python benchmarks/scaling.py")})
+    assert md.count("\n| 4e+06 (4.0M) |") == 6 and "Growth exponents" in md

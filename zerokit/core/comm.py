@@ -40,8 +40,8 @@ import torch.distributed as dist
 from torch.profiler import record_function as _record_function
 
 from zerokit.core import ordered, recorder
-from zerokit.core.gather import (check_in_place, fill_rows, free_storage, gather_many, lend, shares_storage,
-                                 take_back)
+from zerokit.core.gather import (all_gather_single, check_in_place, fill_rows, free_storage, gather_many, lend,
+                                 reduce_scatter_single, shares_storage, take_back)
 from zerokit.core.recorder import CollectiveRecord, CollectiveRecorder, in_words
 from zerokit.core.tree import is_power_of_two
 
@@ -244,7 +244,7 @@ class Comm:
             lent = self._lend(input)
             if shares_storage(output, input):  # in place (output is my range of input): go via a temporary
                 result = torch.empty_like(output)
-                work = dist.reduce_scatter_single(result, lent, group=self.group, async_op=async_op)
+                work = reduce_scatter_single(result, lent, group=self.group, async_op=async_op)
 
                 def finish():
                     output.copy_(result)
@@ -252,7 +252,7 @@ class Comm:
 
                 return self._handle(work, async_op, (lent,), finish)
             out = self._lend(output)
-            work = dist.reduce_scatter_single(out, lent, group=self.group, async_op=async_op)
+            work = reduce_scatter_single(out, lent, group=self.group, async_op=async_op)
             return self._handle(work, async_op, (lent, out))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
@@ -326,7 +326,7 @@ class Comm:
             return values.clone()
         gathered = torch.empty(self.world_size * values.numel(), dtype=values.dtype, device=values.device)
         with self.report_failure():
-            dist.all_gather_single(gathered, values.contiguous(), group=self.group)
+            all_gather_single(gathered, values.contiguous(), group=self.group)
         rows = gathered.view(self.world_size, -1)
         out = rows[0].clone()
         for r in range(1, self.world_size):  # fixed order 0..N-1: core/ordered.py [Note: ordered reduction]

@@ -21,7 +21,25 @@ from torch import nn
 from zerokit.core.flat_param import ParamGroupFn
 from zerokit.core.tree import REDUCTIONS
 
-DEFAULT_BUCKET_NUMEL = 1 << 22  # 4 Mi elements per bucket (4 bytes per element in fp32)
+DEFAULT_BUCKET_NUMEL = 1 << 22  # the most elements a default bucket holds (4 Mi; 4 bytes each in fp32)
+MIN_BUCKET_NUMEL = 1 << 15  # the fewest a default bucket holds, unless the model is smaller
+BUCKETS_PER_MODEL = 32
+
+
+def default_bucket_numel(trainable_numel: int) -> int:
+    """`zk.shard`'s bucket size when none is given: Ψ_t / 32, within [32 Ki, 4 Mi] elements.
+
+    [Note: default bucket size] A fixed size is wrong at both ends. Stage 2 holds up to
+    (max_in_flight + 2) buckets of full-size gradients inside backward, and every stage's optimizer
+    (torch's per-tensor AdamW over a few flat shards) makes temporaries the size of the shard it
+    updates, so a bucket the size of the whole model costs a whole extra model of bytes where
+    torch's peers, with per-parameter grads and per-unit reduce-scatters, hold a fraction of it.
+    A thirty-second of the model keeps stage 2's peak at or below FSDP1's at every size measured (a
+    sixteenth did not at every size); the cap keeps large models' buckets near the size DDP uses,
+    the floor keeps small models from paying a collective per few thousand elements. The trade-off, bucket size against peak and step time, is measured by
+    benchmarks/scaling.py --buckets (benchmarks/results/scaling_buckets.md).
+    """
+    return max(MIN_BUCKET_NUMEL, min(DEFAULT_BUCKET_NUMEL, -(-trainable_numel // BUCKETS_PER_MODEL)))
 ACCUMULATE_POLICIES = ("reduce_scatter", "local")
 
 WrapPolicy = tuple | type | Callable[[nn.Module], bool] | None

@@ -23,8 +23,8 @@ wrapper allocates another as it is issued), so an asynchronous gather costs a se
 while in flight: at stage 3's prefetch in backward, the step's peak. On gloo a single output is therefore
 filled in place, row r from rank r (`fill_rows_from_ranks`): N broadcasts, or at N = 2 one all-to-all
 that swaps the two rows; nothing is allocated. (An all-to-all at 3+ ranks would need N - 1 copies of the
-row.) Several outputs gathered in one round (stages 1-2's buckets after the step, stage 0's all-reduce
-halves) are packed (`packed_gather`): this rank's inputs copied into its row of one (N, Σ m_i) staging
+row.) Several small outputs (under GLOO_PACK_BELOW elements) gathered in one round (stages 1-2's buckets
+after the step, stage 0's all-reduce halves) are packed (`packed_gather`): this rank's inputs copied into its row of one (N, Σ m_i) staging
 buffer per dtype, the other rows filled as above, then copied out: the output's bytes once, instead of
 gloo's coalesced gather's concatenated inputs plus a buffer of every output. Groups hold consecutive
 outputs of at most GLOO_COALESCE_NUMEL elements; an output alone in its group uses its own rows. NCCL
@@ -46,6 +46,22 @@ import torch
 import torch.distributed as dist
 
 GLOO_COALESCE_NUMEL = 1 << 20  # the most output elements one packed gloo gather takes
+GLOO_PACK_BELOW = 1 << 15  # outputs this size or larger are gathered in their own rows, never packed
+
+
+# [Note: the tensor collectives' names] torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor
+# to all_gather_single / reduce_scatter_single (the old names warn there); earlier torch has only the old
+# ones. Looked up at each call, so a test that wraps torch's function sees zerokit's calls.
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """`dist.all_gather_single`, under whichever name this torch has it."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """`dist.reduce_scatter_single` (a sum), under whichever name this torch has it."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, group=group, async_op=async_op)
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -128,7 +144,10 @@ def gather_many(comm, outputs: list[torch.Tensor], inputs: list[torch.Tensor], c
     if comm.backend == "gloo":  # [Note: gloo's all-gather temporary]
         limit = GLOO_COALESCE_NUMEL if coalesce else 0
         works, lent, finishes = [], [], []
-        for group in coalesce_groups([output.numel() for output in outputs], limit):
+        # only small outputs are packed: a large one costs no more collectives alone, and its staging would
+        # be live beside every other group's until the last finishes
+        numels = [output.numel() if output.numel() < GLOO_PACK_BELOW else limit + 1 for output in outputs]
+        for group in coalesce_groups(numels, limit):
             if len(group) == 1:
                 works += _gather_rows(comm, outputs[group[0]], inputs[group[0]], lent)
             else:
@@ -143,7 +162,7 @@ def gather_many(comm, outputs: list[torch.Tensor], inputs: list[torch.Tensor], c
 
         return works, lent, finish_all if finishes else None
     if not coalesce or len(outputs) == 1 or _torch_checks_each_collective():
-        return [dist.all_gather_single(output, input, group=comm.group, async_op=True)
+        return [all_gather_single(output, input, group=comm.group, async_op=True)
                 for output, input in zip(outputs, inputs)], (), None
     return coalesced_gather(comm, outputs, inputs).works, (), None
 
@@ -152,7 +171,7 @@ def coalesced_gather(comm, outputs: list[torch.Tensor], inputs: list[torch.Tenso
     """torch's coalesced all-gathers (NCCL's way: it receives in place); something with `works` and `wait()`."""
     with dist._coalescing_manager(group=comm.group, async_ops=True) as coalesced:
         for output, input in zip(outputs, inputs):
-            dist.all_gather_single(output, input, group=comm.group)
+            all_gather_single(output, input, group=comm.group)
     return coalesced
 
 

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from zerokit.core.comm import Comm, Handle, _nbytes, profiled
-from zerokit.core.gather import free_storage, shares_storage, take_back
+from zerokit.core.gather import all_gather_single, free_storage, reduce_scatter_single, shares_storage, take_back
 from zerokit.core.estimate import resolve_shard_group_size
 from zerokit.core.tree import is_power_of_two, pairwise_sum_
 
@@ -205,13 +205,13 @@ class HybridComm(Comm):
                 elif shares_storage(output, input):
                     result = torch.empty_like(output)
                     sent = self._lend(input)
-                    dist.reduce_scatter_single(result, sent, group=self.group)
+                    reduce_scatter_single(result, sent, group=self.group)
                     take_back((sent,))
                     output.copy_(result)
                     free_storage(result)  # core/gather.py [Note: frees at a fixed point]
                 else:
                     lent = (self._lend(output), self._lend(input))
-                    work = dist.reduce_scatter_single(lent[0], lent[1], group=self.group, async_op=True)
+                    work = reduce_scatter_single(lent[0], lent[1], group=self.group, async_op=True)
                 handle = Handle(work, lambda: dist.all_reduce(output, group=self.replicate.group), comm=self,
                                 local=False, lent=lent)  # its finish is a collective: never run early
             else:
@@ -274,5 +274,5 @@ class HybridComm(Comm):
             output.copy_(node_sum)
             return
         sums = torch.empty(r * node_sum.numel(), dtype=output.dtype, device=output.device)  # (R * shard,)
-        dist.all_gather_into_tensor(sums, node_sum.contiguous(), group=self.replicate.group)
+        all_gather_single(sums, node_sum.contiguous(), group=self.replicate.group)
         output.copy_(pairwise_sum_(sums.view(r, -1)))

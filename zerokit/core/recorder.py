@@ -48,6 +48,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from zerokit.core.gather import all_gather_single
+
 
 @dataclass(frozen=True)
 class CollectiveRecord:
@@ -152,7 +154,7 @@ def check_same(comm, fingerprint: tuple, doing, explain=None) -> None:
     everyone = torch.empty(2 * comm.world_size, dtype=torch.int64, device=device)  # (2 * N,)
     mine_in_words = doing if isinstance(doing, str) else "agreeing on the collectives of its step"
     try:
-        dist.all_gather_single(everyone, mine, group=comm.group)
+        all_gather_single(everyone, mine, group=comm.group)
         rows = everyone.view(comm.world_size, 2).tolist()
         if all(row == rows[0] for row in rows):
             return
