@@ -87,7 +87,7 @@ def test_torchrun_restarts_through_kills_in_forward_backward_optimizer_save_and_
                      ["optimizer@1", "term"]], out
     # the attempts' last commits: steps 1, 2, 3, 4 (the save of step 5 killed), 5 (stopped); the last resumes at 5
     assert "stopped by a signal to another rank after step 5; checkpoint committed" in out, out
-    assert "exitcode  : 75" in out, out
+    assert re.search(r"exitcode:? +75", out), out  # torchrun's record of the stopped attempt
     assert "resumed from" in out and "at step 5" in out, out
     assert _digests(out)[-1] == expected, out
 
