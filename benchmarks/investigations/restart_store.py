@@ -36,6 +36,18 @@ HIDE = ("import os, runpy, sys; os.environ.pop('TORCHELASTIC_RESTART_COUNT', Non
         "runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
+def _kill_run(agent: int, tmp: str) -> None:
+    """SIGKILL a hung trial: its agent, and its workers (torchrun starts each in a session of its own), found by
+    the trial's own temporary directory on their command line."""
+    os.kill(agent, signal.SIGKILL)
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and tmp.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def trial(prefixed: bool, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="zerokit-restart-store-") as tmp:
         marker = Path(tmp) / "fired"
@@ -47,15 +59,15 @@ def trial(prefixed: bool, timeout: float) -> dict:
                                                    "--save", str(Path(tmp) / "ck"), "--save-every", "1",
                                                    "--resume", "auto"]
         start = time.time()
-        # its own session: a hung run's workers are killed with the agent, not left behind
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        try:
-            out = proc.communicate(timeout=timeout)[0]
-            rc = proc.returncode
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc, out = "hung", proc.communicate()[0]
+        log = Path(tmp) / "out.txt"
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                rc = "hung"
+                _kill_run(proc.pid, tmp)
+        out = log.read_text(errors="replace")
         kills = len(marker.read_text().splitlines()) if marker.exists() else 0
         return {"prefixed": prefixed, "returncode": rc, "seconds": time.time() - start, "kills": kills,
                 "connect_failures": out.count("Gloo connectFullMesh failed"),
