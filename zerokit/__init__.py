@@ -59,6 +59,14 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600) -> tupl
     Call `torch.distributed.destroy_process_group()` when done, on every path (try/finally);
     a group still alive when Python exits is destroyed by an atexit hook registered here,
     before the interpreter is torn down. See zerokit/launch.py [Note: process-group teardown].
+
+    [Note: one store prefix per restart]
+    torchrun's agent keeps its store across the restarts of `--max-restarts`, and a process group
+    keys what its ranks publish (gloo's addresses) by names that are the same in every attempt, so
+    a restarted worker can read the dead attempt's addresses and hang connecting to them, or fail.
+    Under torchrun every key goes under a prefix naming the attempt (TORCHELASTIC_RESTART_COUNT):
+    a restarted group sees only its own attempt's keys. The count is per agent; standalone (one
+    agent) it is the same on every rank.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -75,7 +83,14 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600) -> tupl
     import faulthandler
     if not faulthandler.is_enabled():  # a native crash (SIGSEGV, SIGABRT, ...) prints this rank's Python stack
         faulthandler.enable()
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # [Note: one store prefix per restart]
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        store = dist.PrefixStore(f"zerokit/attempt-{attempt}/", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     import atexit
 
     def destroy_at_exit() -> None:  # runs while the interpreter is whole, unlike the group's own destructor

@@ -74,6 +74,8 @@ def test_compare_stages_parse_in_order_once_each():
 @pytest.mark.parametrize("argv, fragment", [
     (["train", "--model", "nosuch", "--nproc", "2"], "unknown --model 'nosuch'"),
     (["train", "--model", "tiny", "--resume", "/nonexistent/ckpt"], "--resume /nonexistent/ckpt: no such directory"),
+    (["train", "--model", "tiny", "--save-every", "2"], "--save-every K commits a checkpoint into --save DIR"),
+    (["train", "--model", "tiny", "--resume", "auto"], "--resume auto resumes from --save DIR"),
     (["compare", "--model", "nosuch"], "unknown --model 'nosuch'"),
 ])
 def test_a_user_mistake_is_one_line_on_stderr_before_any_rank_starts(capsys, monkeypatch, argv, fragment):

@@ -3,9 +3,25 @@
 The same loop body (commands/step.py `train_step`) runs for every stage; only `stage=`
 changes. Not under torchrun it spawns `--nproc` gloo ranks on this machine itself; under
 `torchrun --standalone --nproc-per-node 2 -m zerokit train` it joins torchrun's group.
-`--save DIR` writes a sharded checkpoint after the last step (with the step count in its
-meta.json); `--resume DIR` loads one, at any stage, world size or precision, and continues
-from that step, so the data batches pick up where the saved run stopped.
+`--save DIR` writes a sharded checkpoint after the last step, and every K steps with
+`--save-every K`; `--resume DIR` loads one, at any stage, world size or precision, and continues
+from that step; `--resume auto` does so from --save's DIR when it holds a committed checkpoint
+and starts fresh when it holds none, so a restarted or resubmitted job reruns the same command.
+A checkpoint holds the whole training position ([Note: the training position]). SIGTERM or
+SIGUSR1 to any rank stops every rank after the same step, which is saved: exit status 75
+(EX_TEMPFAIL, "try again"); core/preemption.py [Note: agreeing to stop].
+
+[Note: the training position]
+What a step computes is a function of the weights, the optimizer and loss-scaler state (in the
+checkpoint) and of the step's global micro-batch indices: the data of micro-batch g is
+corpus.batch(..., g) (tree) or a slice of it (linear), and torch's generators are seeded from
+(seed, g) before its forward, so a dropout draw belongs to the sample, not to the rank. meta.json's
+`extra` holds the step (saves happen at step boundaries: micro-step 0), the global micro-batches
+consumed and the run's configuration; a resume that changes the model, the optimizer's
+hyperparameters, the seed or the data stream (batch size, micro-batches per step, reduction)
+is refused naming the option. World size, stage and precision may change; under
+`--reduction tree` with the same micro-batches per step the resumed run's bits equal those of
+the run never stopped.
 
 `--shard-group-size S` shards stages 1-3 within groups of S ranks and replicates across them
 (core/hybrid.py); across two machines, run on each (node rank 0 and 1, HOST the first's address):
@@ -63,10 +79,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long a collective waits for the other ranks before failing: the process-group "
                         "timeout (default 600, as zk.init_distributed)")
     p.add_argument("--save", metavar="DIR", default=None,
-                   help="write a sharded checkpoint (engine.save) into DIR after the last step")
-    p.add_argument("--resume", metavar="DIR", default=None,
+                   help="write a sharded checkpoint (engine.save) into DIR after the last step, and after a "
+                        "stop signal (SIGTERM, SIGUSR1)")
+    p.add_argument("--save-every", type=positive_int, default=None, metavar="K",
+                   help="with --save: also commit a checkpoint every K optimizer steps")
+    p.add_argument("--resume", metavar="DIR|auto", default=None,
                    help="load a checkpoint (any stage / world size / precision) and continue from its step "
-                        "up to --steps in total")
+                        "up to --steps in total; auto: from --save's DIR if it holds a committed checkpoint, "
+                        "else start fresh")
+
+
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal after committing; rerun the command to continue
+RUN_FIELDS = ("model", "lora", "seed", "lr", "weight_decay", "clip", "batch_size", "micro_batches_per_step",
+              "reduction")  # [Note: the training position]: a resume that changes one is refused
 
 
 def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
@@ -74,6 +99,7 @@ def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
     import zerokit as zk
     from zerokit import bench
     from zerokit.commands.step import train_step
+    from zerokit.core import preemption
     from zerokit.models import Block, CharCorpus, build_model
 
     corpus = CharCorpus.load()
@@ -88,51 +114,105 @@ def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
                       param_groups=bench.no_decay, reduction=cfg.get("reduction", "linear"),
                       shard_group_size=cfg.get("shard_group_size"))
     first_step = 0
-    if cfg.get("resume"):
-        meta = engine.load(cfg["resume"])  # raises on every rank for a missing file or another model
+    resume = resume_directory(cfg)
+    if resume:
+        meta = engine.load(resume)  # raises on every rank for a missing file or another model
         if "step" not in meta["extra"]:
-            raise ValueError(f"{cfg['resume']}: its meta.json holds no training step; it was not written by "
+            raise ValueError(f"{resume}: its meta.json holds no training step; it was not written by "
                              "`zerokit train --save`")
         first_step = int(meta["extra"]["step"])  # batches continue where the saved run stopped
-        if first_step >= cfg["steps"]:
-            raise ValueError(f"--steps {cfg['steps']} is the total step count, and {cfg['resume']} is already at "
+        if first_step > cfg["steps"] or (first_step == cfg["steps"] and cfg.get("resume") != "auto"):
+            raise ValueError(f"--steps {cfg['steps']} is the total step count, and {resume} is already at "
                              f"step {first_step}: pass a larger --steps")
     block = model.cfg.block_size
-    bar = None
-    if rank == 0 and not cfg["no_progress"]:
-        from tqdm import tqdm
-        bar = tqdm(total=cfg["steps"], initial=first_step, unit="step",
-                   desc=f"stage {cfg['stage']} x{world_size} {cfg['precision']}")
-    losses, skipped = [], 0
+    every = cfg.get("save_every")
     tokens_per_step = cfg["batch_size"] * block * cfg["accumulate"] * world_size
-    start = time.perf_counter()
-    for step in range(first_step, cfg["steps"]):
-        micro_batches = [_micro_batch(corpus, cfg, block, step, micro, rank, world_size)
-                         for micro in range(cfg["accumulate"])]
-        result = train_step(engine, micro_batches, lambda batch: engine(*batch)[1],
-                            clip=cfg["clip"] if cfg["clip"] > 0 else None)
-        if not result.stepped:
-            skipped += 1
-        losses.append(float(result.loss))  # a sync point, once per step: fine for a demo
+    losses, skipped, stopped, bar = [], 0, None, None
+    try:
+        engine.stop_requested()  # the first call installs the stop handlers (core/preemption.py)
+        if rank == 0 and not cfg["no_progress"]:
+            from tqdm import tqdm
+            bar = tqdm(total=cfg["steps"], initial=first_step, unit="step",
+                       desc=f"stage {cfg['stage']} x{world_size} {cfg['precision']}")
+        start = time.perf_counter()
+        for step in range(first_step, cfg["steps"]):
+            micro_batches = [(micro_index(cfg, step, micro, rank, world_size),
+                              _micro_batch(corpus, cfg, block, step, micro, rank, world_size))
+                             for micro in range(cfg["accumulate"])]
+            result = train_step(engine, micro_batches, lambda item: _loss(engine, cfg, *item),
+                                clip=cfg["clip"] if cfg["clip"] > 0 else None)
+            if not result.stepped:
+                skipped += 1
+            losses.append(float(result.loss))  # a sync point, once per step: fine for a demo
+            done = step + 1
+            stop = engine.stop_requested()  # a collective: every rank stops after the same step
+            if cfg.get("save") and (stop or done == cfg["steps"] or (every and done % every == 0)):
+                engine.save(cfg["save"], extra=position(cfg, done, world_size))  # a collective
+            if bar is not None:
+                elapsed = time.perf_counter() - start
+                bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step * len(losses) / elapsed:,.0f}")
+                bar.update(1)
+            if stop:
+                stopped = {"step": done, "signal": preemption.received_signal(), "time": time.time()}
+                break
+        elapsed = time.perf_counter() - start
+    finally:
         if bar is not None:
-            elapsed = time.perf_counter() - start
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step * len(losses) / elapsed:,.0f}")
-            bar.update(1)
-    elapsed = time.perf_counter() - start
-    if bar is not None:
-        bar.close()
-    if cfg.get("save"):  # a collective: every rank writes its own range
-        engine.save(cfg["save"], extra={"step": cfg["steps"], "model": cfg["model"], "lora": cfg["lora"],
-                                        "seed": cfg["seed"]})
+            bar.close()
+        preemption.SIGNALS.release()
     digest = weights_digest(engine.state_dict(full=True))  # a collective at stages 1-3: every rank calls it
     return {
         "rank": rank, "first_step": first_step, "losses": losses, "weights_sha256": digest, "skipped_steps": skipped, "memory": engine.memory(),
-        "tokens_per_s": tokens_per_step * len(losses) / elapsed, "seconds": elapsed,
+        "tokens_per_s": tokens_per_step * len(losses) / elapsed if losses else 0.0, "seconds": elapsed,
         "comm_bytes": engine.comm_stats(), "comm_bytes_by_group": engine.comm_stats(by_group=True),
-        "loss_scale": engine.loss_scale,
+        "loss_scale": engine.loss_scale, "stopped": stopped, "resumed_from": resume,
         "num_params": sum(p.numel() for p in model.parameters()),
         "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
+
+
+def _loss(engine, cfg: dict, index: int, batch) -> torch.Tensor:
+    """Micro-batch `index`'s loss; torch's generators are seeded from (seed, index) first ([Note: the training
+    position]): the built-in GPT draws nothing, a model with dropout would draw the same at any world size."""
+    torch.manual_seed((cfg["seed"] << 32) + index)
+    return engine(*batch)[1]
+
+
+def micro_index(cfg: dict, step: int, micro: int, rank: int, world_size: int) -> int:
+    """The global index of this rank's micro-batch `micro` of `step` (M = world size x accumulate per step)."""
+    k = cfg["accumulate"]
+    if cfg.get("reduction", "linear") == "tree":
+        return step * k * world_size + rank * k + micro
+    return (step * k + micro) * world_size + rank
+
+
+def run_config(cfg: dict, world_size: int) -> dict:
+    """What a resume must not change ([Note: the training position])."""
+    values = {k: cfg.get(k) for k in RUN_FIELDS if k != "micro_batches_per_step"}
+    values["reduction"] = values["reduction"] or "linear"
+    values["micro_batches_per_step"] = world_size * cfg["accumulate"]
+    return values
+
+
+def position(cfg: dict, step: int, world_size: int) -> dict:
+    """meta.json's `extra` after `step` optimizer steps: the training position and the run's configuration."""
+    return {"step": step, "micro_step": 0, "micro_batches": step * world_size * cfg["accumulate"],
+            "model": cfg["model"], "lora": cfg["lora"], "seed": cfg["seed"], "run": run_config(cfg, world_size)}
+
+
+def resume_directory(cfg: dict) -> str | None:
+    """The checkpoint directory to resume from: --resume DIR, or for --resume auto --save's DIR when it holds a
+    committed checkpoint (None: start fresh). A directory that holds something else is refused."""
+    from zerokit import checkpoint
+    resume = cfg.get("resume")
+    if resume != "auto":
+        return resume
+    directory = cfg["save"]
+    if os.path.isfile(os.path.join(directory, checkpoint.POINTER_FILE)):
+        return directory
+    if os.path.isfile(os.path.join(directory, checkpoint.META_FILE)):
+        checkpoint.committed_snapshot(directory)  # raises, saying what the directory holds instead
+    return None  # absent, empty, or only a first save that never committed
 
 
 def _micro_batch(corpus, cfg: dict, block: int, step: int, micro: int, rank: int, world_size: int):
@@ -183,11 +263,15 @@ def check_arguments(cfg: dict) -> None:
             check_shard_group_size(cfg["shard_group_size"], nproc)
         except ValueError as exc:
             raise ValueError(f"--shard-group-size: {exc}") from None
-    if cfg.get("resume"):
-        resume = cfg["resume"]
-        if not os.path.isdir(resume):
-            raise ValueError(f"--resume {resume}: no such directory")
-        snapshot = checkpoint.committed_snapshot(resume)  # raises ValueError for a non-checkpoint
+    if cfg.get("save_every") is not None and not cfg.get("save"):
+        raise ValueError("--save-every K commits a checkpoint into --save DIR every K steps: pass --save DIR")
+    if cfg.get("resume") == "auto" and not cfg.get("save"):
+        raise ValueError("--resume auto resumes from --save DIR when it holds a checkpoint: pass --save DIR")
+    if cfg.get("resume") and cfg["resume"] != "auto" and not os.path.isdir(cfg["resume"]):
+        raise ValueError(f"--resume {cfg['resume']}: no such directory")
+    resume = resume_directory(cfg)  # raises ValueError for a directory that holds no committed checkpoint
+    if resume:
+        snapshot = checkpoint.committed_snapshot(resume)
         with open(os.path.join(snapshot, "meta.json")) as f:
             extra = json.load(f).get("extra", {})
         if "step" not in extra:
@@ -196,13 +280,33 @@ def check_arguments(cfg: dict) -> None:
         if extra.get("model", cfg["model"]) != cfg["model"]:
             raise ValueError(f"--resume {resume} holds model {extra['model']!r}, this run builds {cfg['model']!r}: "
                              f"pass --model {extra['model']}")
-        if int(extra["step"]) >= cfg["steps"]:
+        check_run_config(extra.get("run"), cfg, int(os.environ.get("WORLD_SIZE", cfg["nproc"])), resume)
+        step = int(extra["step"])
+        if step > cfg["steps"] or (step == cfg["steps"] and cfg["resume"] != "auto"):
             raise ValueError(f"--steps {cfg['steps']} is the total step count, and {resume} is already at step "
                              f"{extra['step']}: pass a larger --steps")
 
 
-def _torchrun_entry(cfg: dict) -> list[dict] | None:
-    """One torchrun rank: join the group, train, gather every rank's summary; the group is destroyed on every path.
+def check_run_config(saved: dict | None, cfg: dict, world_size: int, resume: str) -> None:
+    """Refuse a resume that changes the model, the optimizer's hyperparameters, the seed or the data stream,
+    naming the option ([Note: the training position]); checkpoints without a saved configuration pass."""
+    if not saved:
+        return
+    mine = run_config(cfg, world_size)
+    for field in RUN_FIELDS:
+        if field in saved and saved[field] != mine[field]:
+            if field == "micro_batches_per_step":
+                raise ValueError(f"--resume {resume} was trained on {saved[field]} micro-batches per step (world size "
+                                 f"x --accumulate), this run takes {mine[field]} ({world_size} x {cfg['accumulate']}): "
+                                 f"pick --accumulate so that the product is {saved[field]}")
+            flag = "--" + field.replace("_", "-")
+            raise ValueError(f"--resume {resume} was trained with {flag} {saved[field]}, this run has {flag} "
+                             f"{mine[field]}: pass {flag} {saved[field]} (or start a fresh run in another directory)")
+
+
+def _torchrun_entry(cfg: dict) -> list[dict]:
+    """One torchrun rank: join the group, train, gather every rank's summary (rank 0; the others return their
+    own only); the group is destroyed on every path.
 
     Teardown order (see zerokit/launch.py [Note: process-group teardown]): train_loop's frames, the
     engine and its hooks are released and collected first, then the process group is
@@ -218,25 +322,34 @@ def _torchrun_entry(cfg: dict) -> list[dict] | None:
         summary = train_loop(rank, world_size, cfg)
         everyone = [None] * world_size
         dist.all_gather_object(everyone, summary)
+        if rank != 0:
+            everyone = [summary]  # only rank 0 reports; every rank returns the exit status
     except BaseException as exc:
         traceback.clear_frames(exc.__traceback__)  # still printable; the engine in train_loop's locals is let go
         raise
     finally:
         gc.collect()  # hooks make the engine a reference cycle: free it while the group still exists
         dist.destroy_process_group()
-    return everyone if rank == 0 else None
+    return everyone
 
 
 def report(summaries: list[dict], cfg: dict) -> None:
     first = summaries[0]
+    digests = {s["weights_sha256"] for s in summaries}
+    if len(digests) != 1:
+        raise RuntimeError(f"zerokit train: the ranks ended with different weights: {sorted(digests)}")
     losses = first["losses"]
     tail = losses[-10:]
     print(f"\nstage {cfg['stage']}, {len(summaries)} rank(s), {cfg['precision']}, model {cfg['model']} "
           f"({first['num_params']:,} params, {first['trainable_params']:,} trainable)")
-    print(f"loss: first {losses[0]:.4f}  final {losses[-1]:.4f}  mean of last {len(tail)} {sum(tail) / len(tail):.4f}"
-          + (f"  (skipped steps: {first['skipped_steps']}, loss scale {first['loss_scale']:g})"
-             if cfg["precision"] == "fp16" else ""))
-    print(f"throughput: {first['tokens_per_s']:,.0f} tokens/s over {first['seconds']:.1f} s")
+    if losses:
+        print(f"loss: first {losses[0]:.4f}  final {losses[-1]:.4f}  mean of last {len(tail)} "
+              f"{sum(tail) / len(tail):.4f}"
+              + (f"  (skipped steps: {first['skipped_steps']}, loss scale {first['loss_scale']:g})"
+                 if cfg["precision"] == "fp16" else ""))
+        print(f"throughput: {first['tokens_per_s']:,.0f} tokens/s over {first['seconds']:.1f} s")
+    else:
+        print(f"no steps left to train: {first['resumed_from']} is at step {first['first_step']} of {cfg['steps']}")
     print(f"weights sha256: {first['weights_sha256']}"
           + (f"  (reduction tree: the same at any --nproc with --nproc x --accumulate = "
              f"{len(summaries) * cfg['accumulate']})" if cfg.get("reduction") == "tree" else ""))
@@ -247,9 +360,16 @@ def report(summaries: list[dict], cfg: dict) -> None:
         print(f"hybrid sharding: {len(summaries) // size} shard groups of {size} ranks; rank 0 sent "
               f"{within / 1e6:,.2f} MB within its shard group and {across / 1e6:,.2f} MB across shard groups "
               f"over {len(losses)} steps (ZeRO accounting)")
-    if cfg.get("resume"):
-        print(f"resumed from {cfg['resume']} at step {first['first_step']}")
-    if cfg.get("save"):
+    if first["resumed_from"]:
+        print(f"resumed from {first['resumed_from']} at step {first['first_step']}")
+    elif cfg.get("resume") == "auto":
+        print(f"started fresh: {cfg['save']} holds no committed checkpoint (--resume auto)")
+    stopped = first["stopped"]
+    if stopped:
+        print(f"stopped by {stopped['signal'] or 'a signal to another rank'} after step {stopped['step']}"
+              + (f"; checkpoint committed to {cfg['save']} (step {stopped['step']})" if cfg.get("save") else
+                 "; nothing saved (no --save)") + f": exit status {EXIT_STOPPED}")
+    elif cfg.get("save") and losses:
         print(f"checkpoint written to {cfg['save']} (step {cfg['steps']})")
     categories = list(first["memory"])
     print("per-rank memory (bytes): " + "  ".join(f"{c:>16}" for c in categories))
@@ -263,7 +383,9 @@ def run(args: argparse.Namespace) -> int:
     # --reduction tree: a CPU matmul's bits can depend on its thread count (how it blocks its sums), so
     # every rank computes with one thread at every --nproc; the tree then makes the reduction agree too.
     threads = 1 if cfg.get("reduction") == "tree" else None
+    rank = 0
     if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank
+        rank = int(os.environ.get("RANK", "0"))
         summaries = _torchrun_entry(cfg)
     elif args.nproc > 1:
         from zerokit.launch import run_ranks
@@ -277,6 +399,6 @@ def run(args: argparse.Namespace) -> int:
             summaries = [train_loop(0, 1, cfg)]
         finally:
             torch.set_num_threads(before)
-    if summaries is not None:
+    if rank == 0:
         report(summaries, cfg)
-    return 0
+    return EXIT_STOPPED if summaries[0]["stopped"] else 0

@@ -49,6 +49,7 @@ from zerokit.core.bucketing import InFlight
 from zerokit.core.config import ShardConfig
 from zerokit.core.flat_param import FlatParamState
 from zerokit.core.grad_reduce import GradPath, GradReduction
+from zerokit.core import preemption
 from zerokit.core.model_guard import ModelGuard
 from zerokit.core.precision import LossScaler, PrecisionPolicy, cast_floating_tensors
 from zerokit.core.tree import PartialSums, exact_square_sum, norm_from_square_sum
@@ -204,6 +205,15 @@ class Engine(GradPath, UserGrads):
             yield
         finally:
             self.sync_gradients = previous
+
+    def stop_requested(self) -> bool:
+        """Whether any rank was sent SIGTERM or SIGUSR1 (a preemption): the same answer on every rank.
+
+        A collective: every rank calls it at the same point of each step, then saves and stops when
+        it is True (core/preemption.py [Note: agreeing to stop]). The first call installs the handlers.
+        """
+        device = next(iter(self.module.parameters()), torch.empty(0)).device
+        return preemption.stop_requested(self.comm, device)
 
     @property
     def data_parallel_rank(self) -> int:
