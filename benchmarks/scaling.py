@@ -217,7 +217,10 @@ def markdown(record: dict) -> str:
           "zerokit / lowest peer (allocator peak inside a step); between / formula: zerokit's allocator bytes at "
           "a step boundary over zk.estimate's model states; efficiency: compute-only step (one rank's work, one "
           "thread, no collectives) / step time",
-          f"- cut to fit the machine: {record['cut']}", "",
+          f"- cut to fit the machine: {record['cut']}",
+          *([f"- note: {record['note']}"] if record.get("note") else []), "",
+          *summary(rows), "",
+          "## Every cell", "",
           "| Ψ | N | prec | stage | zk ms | fastest peer | peer ms | time ratio | peak MiB zk / lowest peer "
           "| peak ratio | between / formula | eff zk | eff peer |",
           "|---|---:|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|"]
@@ -255,6 +258,28 @@ def markdown(record: dict) -> str:
            + (": " + "; ".join(f"{r['size']} N={r['world_size']} {r['precision']} stage {r['stage']} "
                                f"{r['peak_ratio']:.3f}" for r in over) if over else "") + "."]
     return "\n".join(md) + "\n"
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """Per precision, stage and world size, over the sizes: the time ratio's range, the largest peak ratio,
+    the median efficiencies."""
+    out = ["## Summary over the sizes", "",
+           "| prec | stage | N | sizes | time ratio (min - max) | peak ratio (max) | efficiency zk / peer (median) |",
+           "|---|---:|---:|---:|---|---:|---|"]
+    for precision in dict.fromkeys(r["precision"] for r in rows):
+        for stage in range(4):
+            for n in sorted({r["world_size"] for r in rows}):
+                at = [r for r in rows if (r["precision"], r["stage"], r["world_size"]) == (precision, stage, n)]
+                times = [r["time_ratio"] for r in at if r["time_ratio"]]
+                peaks = [r["peak_ratio"] for r in at if r["peak_ratio"]]
+                effs = [r["zerokit_efficiency"] for r in at]
+                peer_effs = [r["peer_efficiency"] for r in at if r["peer_efficiency"]]
+                if not times:
+                    continue
+                out.append(f"| {precision} | {stage} | {n} | {len(at)} | {min(times):.2f} - {max(times):.2f} | "
+                           f"{_r(max(peaks) if peaks else None, 3)} | {statistics.median(effs):.2f} / "
+                           f"{_r(statistics.median(peer_effs) if peer_effs else None)} |")
+    return out
 
 
 def plot(record: dict, path: Path) -> None:
@@ -359,6 +384,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fractions", type=int, nargs="+", default=[4, 8, 16, 32],
                    help="--buckets: bucket sizes as Ψ/k for these k, beside 4 Mi elements")
     p.add_argument("--out", type=Path, default=None, help="results path without suffix")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="rewrite the .md and .png of an earlier run from its .json (no run)")
+    p.add_argument("--note", default=None, help="--from-json: a note on the run, kept in the .json and shown")
     args = p.parse_args(argv)
     if args.out is None:
         args.out = REPO / "benchmarks" / "results" / ("scaling_buckets" if args.buckets else "scaling")
@@ -369,6 +397,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.buckets:
         return bucket_tradeoff(args)
+    if args.from_json:
+        import json
+        record = json.loads(args.from_json.read_text())
+        if args.note:
+            record["note"] = args.note
+            args.from_json.write_text(json.dumps(record, indent=1) + "\n")
+        args.from_json.with_suffix(".md").write_text(markdown(record))
+        plot(record, args.from_json.with_suffix(".png"))
+        return 0
     if args.quick:
         args.sizes, args.world_sizes, args.precisions = ["1M", "4M"], [1, 2], ["fp32"]
     prov = provenance(command_line(__file__, argv))
