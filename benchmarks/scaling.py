@@ -60,8 +60,8 @@ SIZES = {"1M": (4, 4, 128, None), "4M": (6, 6, 240, None), "15M": (8, 8, 384, No
          "124M": (12, 12, 768, 50257)}
 # steps per run (the first left out) and rounds: fewer where a step takes seconds
 STEPS = {"1M": (8, 2), "4M": (6, 2), "15M": (5, 1), "50M": (4, 1), "124M": (3, 1)}
-BF16_SIZES = ("1M", "4M", "15M")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CUDA: NCCL, one GPU per rank  # bf16 matmuls on this CPU are slower than fp32: the large sizes are fp32 only
+BF16_SIZES = ("1M", "4M", "15M")  # bf16 matmuls on this CPU are slower than fp32: the large sizes are fp32 only
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CUDA: NCCL, one GPU per rank
 
 
 def config(size: str) -> GPTConfig:
@@ -211,8 +211,10 @@ def markdown(record: dict) -> str:
     md = ["# Cost as the work grows: zerokit's stages beside torch's peers, 1M to 124M parameters", "",
           *provenance_lines(record["provenance"]),
           f"- {args['batch_size']} x {BLOCK} tokens per rank per step, AdamW (lr 1e-3, weight decay 0.1), "
-          "library defaults (zerokit's bucket size, DDP's 25 MB); gloo ranks of one thread each sharing "
-          f"the machine's CPUs; {record['seconds']:.0f} s in all",
+          "library defaults (zerokit's bucket size, DDP's 25 MB); "
+          + ("NCCL ranks, one GPU each; " if args.get("device") == "cuda"
+             else "gloo ranks of one thread each sharing the machine's CPUs; ")
+          + f"{record['seconds']:.0f} s in all",
           "- time ratio: zerokit / fastest peer (step time: median of the timed steps, slowest rank); peak ratio: "
           "zerokit / lowest peer (allocator peak inside a step); between / formula: zerokit's allocator bytes at "
           "a step boundary over zk.estimate's model states; efficiency: compute-only step (one rank's work, one "
@@ -323,14 +325,16 @@ def plot(record: dict, path: Path) -> None:
 
 
 def bucket_tradeoff(args) -> int:
-    """`--buckets`: stages 0 and 2 at 2 ranks, fp32, for several bucket sizes beside DDP and FSDP1 SHARD_GRAD_OP."""
+    """`--buckets`: stages 0 and 2 (`--bucket-stages`) at 2 ranks (`--bucket-world-size`), fp32, for several bucket
+    sizes beside their fastest peer (DDP's own 25 MB buckets) and the lowest peer peak."""
     prov = provenance(command_line(__file__, sys.argv[1:]))
     start = time.perf_counter()
     rows = []
     for size in args.sizes:
         psi = num_params(config(size))
         for label, numel in [("4 Mi", 1 << 22)] + [(f"Ψ/{k}", -(-psi // k)) for k in args.fractions]:
-            result = run_cell(size, 2, "fp32", args.batch_size, args.timeout, bucket_numel=numel, stages=(0, 2))
+            result = run_cell(size, args.bucket_world_size, "fp32", args.batch_size, args.timeout, bucket_numel=numel,
+                              stages=tuple(args.bucket_stages))
             for line in result["stages"]:
                 rows.append({"size": size, "params": psi, "bucket": label, "bucket_numel": numel,
                              "stage": line["stage"], "zerokit_ms": line["zerokit_ms"],
@@ -344,16 +348,18 @@ def bucket_tradeoff(args) -> int:
                       f"{_mb(line['zerokit_peak_step_bytes'])} / {_mb(line['lowest_peer_peak_step_bytes'])} MiB, "
                       f"time x{line['ratio_vs_fastest']:.2f} [{result['seconds']} s]", flush=True)
     record = {"provenance": prov, "seconds": time.perf_counter() - start, "rows": rows}
-    md = ["# Bucket size against the in-step peak and step time: stages 0 and 2 at 2 ranks, fp32", "",
-          *provenance_lines(prov),
-          f"- {args.batch_size} x {BLOCK} tokens per rank per step, AdamW; peers: torch DDP (25 MB buckets) beside "
-          f"stage 0, FSDP1 SHARD_GRAD_OP beside stage 2; {record['seconds']:.0f} s in all", "",
-          "| Ψ | bucket | elements | stage | peak MiB zk / peer | peak ratio | zk ms | peer ms | time ratio |",
-          "|---|---|---:|---:|---|---:|---:|---:|---:|"]
+    stages = " and ".join(map(str, args.bucket_stages))
+    md = [f"# Bucket size against the in-step peak and step time: stages {stages} at {args.bucket_world_size} ranks, "
+          "fp32", "", *provenance_lines(prov),
+          f"- {args.batch_size} x {BLOCK} tokens per rank per step, AdamW; beside each stage its fastest torch peer "
+          f"(time; DDP with its own 25 MB buckets) and its lowest peer peak; {record['seconds']:.0f} s in all", "",
+          "| Ψ | bucket | elements | stage | peak MiB zk / peer | peak ratio | zk ms | fastest peer | peer ms "
+          "| time ratio |",
+          "|---|---|---:|---:|---|---:|---:|---|---:|---:|"]
     for r in rows:
         md.append(f"| {r['size']} ({r['params'] / 1e6:.1f}M) | {r['bucket']} | {r['bucket_numel']:,} | {r['stage']} "
                   f"| {_mb(r['zerokit_peak_bytes'])} / {_mb(r['lowest_peer_peak_bytes'])} | {_r(r['peak_ratio'])} "
-                  f"| {r['zerokit_ms']:.0f} | {_r(r['peer_ms'], 0)} | {_r(r['time_ratio'])} |")
+                  f"| {r['zerokit_ms']:.0f} | {_short(r['peer'])} | {_r(r['peer_ms'], 0)} | {_r(r['time_ratio'])} |")
     write_pair(args.out, record, "\n".join(md) + "\n")
     print("\n".join(md))
     return 0
@@ -364,10 +370,11 @@ def _record(args, prov: dict, cells: list[dict], start: float, plan: list) -> di
     skipped = [s for s in args.sizes if s not in BF16_SIZES and DEVICE == "cpu"]
     cut = (f"bf16 only at {', '.join(s for s in BF16_SIZES if s in args.sizes)} (bf16 on this CPU is slower than "
            f"fp32, and {', '.join(skipped)} would double the run)" if "bf16" in args.precisions and skipped
-           else "nothing beyond the grid given") + f"; steps per run (first left out), rounds: {STEPS}"
+           else "nothing beyond the grid given") + "; steps per run (first left out), rounds: " + (
+               f"{STEPS}" if DEVICE == "cpu" else "(20, 2) at every size")
     if len(cells) < len(plan):
         cut += f"; so far {len(cells)} of {len(plan)} cells"
-    return {"provenance": prov, "settings": {"batch_size": args.batch_size, "block": BLOCK},
+    return {"provenance": prov, "settings": {"batch_size": args.batch_size, "block": BLOCK, "device": DEVICE},
             "seconds": time.perf_counter() - start, "cut": cut, "cells": cells, "rows": rows, "fits": fits(rows)}
 
 
@@ -383,6 +390,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the bucket-size trade-off instead: stages 0 and 2, 2 ranks, fp32 (scaling_buckets.*)")
     p.add_argument("--fractions", type=int, nargs="+", default=[4, 8, 16, 32],
                    help="--buckets: bucket sizes as Ψ/k for these k, beside 4 Mi elements")
+    p.add_argument("--bucket-world-size", type=int, default=2, help="--buckets: ranks (default 2)")
+    p.add_argument("--bucket-stages", type=int, nargs="+", default=[0, 2], choices=[0, 1, 2, 3],
+                   help="--buckets: zerokit's stages (default 0 2)")
     p.add_argument("--out", type=Path, default=None, help="results path without suffix")
     p.add_argument("--from-json", type=Path, default=None,
                    help="rewrite the .md and .png of an earlier run from its .json (no run)")

@@ -52,6 +52,9 @@ one too), so grouping changes no bit of any result.
 """
 from __future__ import annotations
 
+import weakref
+from typing import Callable
+
 import torch
 
 from zerokit.core.bucketing import plan_all_reduce_groups
@@ -252,7 +255,7 @@ class GradPath:
         if grad_shard is None:
             grad_shard = state.fp.new_flat(self.policy.reduce_dtype, numel=state.fp.shard_numel)
         state.grad_shard, state.grad_shard_written = grad_shard, False
-        state.shown_grads = state.fp.sharded_grads(grad_shard, self.comm, lambda: self.loss_scale)
+        state.shown_grads = state.fp.sharded_grads(grad_shard, self.comm, _loss_scale_of(self))
         return grad_shard
 
 
@@ -284,3 +287,10 @@ class GradPath:
         for partials in self.partials.values():
             partials.clear()
 
+
+def _loss_scale_of(engine) -> Callable[[], float]:
+    """The engine's current loss scale, read through a weak reference: a ShardedGrad sits in `param.grad`, on
+    the C++ side where gc cannot see it, and must not keep the engine alive (core/hooks.py [Note: hooks hold
+    the engine weakly]). 1.0 once the engine is gone."""
+    ref = weakref.ref(engine)
+    return lambda: 1.0 if ref() is None else ref().loss_scale

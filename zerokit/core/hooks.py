@@ -37,6 +37,15 @@ DDP and FSDP use): the first hook of a backward (or the stage, through `begin_ba
 when something of its own runs first in backward) queues `_end_of_backward`, which runs
 once the autograd engine has finished the whole graph.
 
+[Note: hooks hold the engine weakly]
+A tensor hook is kept by the tensor's C++ side, out of the garbage collector's sight, so a hook
+that held the tracker (and through its callbacks the engine, the model and every buffer) would
+keep them all alive for good once the user dropped the engine: a cycle gc cannot break. Building
+engines one after another (a sweep, a benchmark's runs, a test suite) then grew the process by
+every engine's model states. The hooks therefore hold the tracker through a weak reference and do
+nothing once it is gone; `tests/unit/test_engine_lifetime.py` drops an engine of every stage and
+checks that it and its buffers are freed.
+
 [Note: a backward that raised]
 autograd runs a backward's queued callbacks only when the whole graph finished: a backward
 that raised (a user hook, an op) never reaches `_end_of_backward`, and its bookkeeping (the
@@ -58,6 +67,7 @@ forgets the count with the gradients it described.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Callable
 
 import torch
@@ -94,8 +104,14 @@ class GradReadyTracker:
         self._released = [False] * len(self.flat_params)
         self._next = 0  # in_order: first bucket not yet released
 
+    # Both hooks reach the tracker through a weak reference: [Note: hooks hold the engine weakly]
     def _make_pre_hook(self, k: int):
+        tracker = weakref.ref(self)
+
         def pre_hook(grad: torch.Tensor) -> torch.Tensor:
+            self = tracker()
+            if self is None:  # the engine is gone: the model is the user's again
+                return grad
             self.begin_backward()
             if not self._started[k]:
                 self._started[k] = True
@@ -104,7 +120,12 @@ class GradReadyTracker:
         return pre_hook
 
     def _make_ready_hook(self, k: int, j: int):
+        tracker = weakref.ref(self)
+
         def ready_hook(param: torch.Tensor) -> None:
+            self = tracker()
+            if self is None:
+                return
             if self._seen[k][j]:
                 fp = self.flat_params[k]
                 raise RuntimeError(

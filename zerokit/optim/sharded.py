@@ -31,7 +31,23 @@ step() in numbered phases:
      and no second rounding; any other dtype is cast into a transient fp32 copy.
   3. optimizer.step() on the master shards.
   4. copy master -> param shard (cast to the param dtype); drop transient fp32 grads.
+  (2-4 run once over every shard, or chunk by chunk under a cast: [Note: a step in chunks].)
 The all-gather that brings the updated shards back into full buffers is the stage's job.
+
+[Note: a step in chunks]
+Under bf16/fp16 the grad shards stay in the low-precision reduce dtype (2 bytes/param) and the
+optimizer needs fp32 gradients. Casting every shard at once holds 2 + 4 bytes/param of gradient
+during the step, where FSDP (which casts the reduced shard to fp32 and keeps only that) holds 4
+and DDP under autocast 4: the step would be the peak, above the peers'. So the cast shards are
+stepped in chunks of consecutive shards whose fp32 copies add up to at most 1/CAST_CHUNK of the
+whole fp32 gradient (or the largest shard, if more): the wrapped optimizer's step() runs once
+per chunk, with `.grad` set only on that chunk's masters (torch's optimizers skip a parameter
+whose grad is None), and the transient is 2 + 4/CAST_CHUNK bytes/param. DeepSpeed's ZeRO-1/2
+steps its flat partitions group by group for the same reason. Every per-parameter optimizer
+(torch's Adam, AdamW, SGD, ... keep their step count per parameter) updates to the same bits
+as in one call; what changes is that its step hooks fire once per chunk, and an optimizer that
+keeps a count of its own across parameters would count chunks. Without a cast (fp32, or
+gradients reduced in fp32) there is one call, as before.
 
 The stage passes the grad shards to every step rather than once: stage 0 under a distinct
 reduce dtype hands over the reduce-dtype buffer its all-reduce filled, for that step only.
@@ -43,6 +59,11 @@ from __future__ import annotations
 import torch
 
 from zerokit.core.precision import LossScaler, PrecisionPolicy, has_inf_or_nan
+
+
+# Under a cast (bf16/fp16 gradients, fp32 masters) one optimizer.step() updates at most about this
+# fraction of the masters: [Note: a step in chunks]
+CAST_CHUNK = 8
 
 
 class ShardedOptimizer:
@@ -98,26 +119,54 @@ class ShardedOptimizer:
         if self.scaler is not None:
             inv_scale = torch.tensor(1.0 / self.scaler.scale, dtype=torch.float32)
             multiplier = inv_scale if multiplier is None else multiplier * inv_scale
-        for master, grad in zip(self.master_shards, grad_shards):
-            if grad.dtype == master.dtype:
-                if multiplier is not None:
-                    grad.mul_(multiplier)
-                master.grad = grad  # the optimizer reads the grad shard in place
-            else:
-                master.grad = grad.to(master.dtype)  # (shard_numel,) fp32, transient
-                if multiplier is not None:
-                    master.grad.mul_(multiplier)
-        # 3. update
-        self.optimizer.step()
-        # 4. refresh low-precision params; let go of the master gradients (transient copies,
-        #    or references that would keep a stage's transient reduce buffer alive)
-        for master, param in zip(self.master_shards, self.param_shards):
-            if self.policy.needs_master:
-                param.copy_(master)
-            master.grad = None
+        # 2-4 over the chunks of `step_chunks` (one chunk when no gradient needs a cast): [Note: a step
+        # in chunks]
+        for chunk in self.step_chunks(grad_shards):
+            for i in chunk:
+                master, grad = self.master_shards[i], grad_shards[i]
+                if grad.dtype == master.dtype:
+                    if multiplier is not None:
+                        grad.mul_(multiplier)
+                    master.grad = grad  # the optimizer reads the grad shard in place
+                else:
+                    master.grad = grad.to(master.dtype)  # (shard_numel,) fp32, transient
+                    if multiplier is not None:
+                        master.grad.mul_(multiplier)
+            # 3. update (the masters outside the chunk have no .grad: the optimizer skips them)
+            self.optimizer.step()
+            # 4. refresh low-precision params; let go of the master gradients (transient copies,
+            #    or references that would keep a stage's transient reduce buffer alive)
+            for i in chunk:
+                master = self.master_shards[i]
+                if self.policy.needs_master:
+                    self.param_shards[i].copy_(master)
+                master.grad = None
         if self.scaler is not None:
             self.scaler.update(False)
         return True
+
+    def step_chunks(self, grad_shards: list[torch.Tensor]) -> list[list[int]]:
+        """The master shards one `optimizer.step()` updates together, as lists of indices in order.
+
+        One chunk of every shard when no gradient needs a cast to the master dtype; otherwise
+        consecutive shards whose fp32 copies together stay within `CAST_CHUNK` of the whole
+        fp32 gradient, or the largest single shard where that is more. [Note: a step in chunks]
+        """
+        casts = {i for i, (m, g) in enumerate(zip(self.master_shards, grad_shards)) if g.dtype != m.dtype}
+        if not casts:
+            return [list(range(len(self.master_shards)))]
+        sizes = [self.master_shards[i].numel() for i in sorted(casts)]
+        budget = max(max(sizes), -(-sum(sizes) // CAST_CHUNK))
+        chunks: list[list[int]] = [[]]
+        held = 0
+        for i in range(len(self.master_shards)):
+            n = self.master_shards[i].numel() if i in casts else 0
+            if chunks[-1] and held + n > budget:
+                chunks.append([])
+                held = 0
+            chunks[-1].append(i)
+            held += n
+        return chunks
 
     # checkpoints ---------------------------------------------------------
     @property
