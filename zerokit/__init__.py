@@ -117,8 +117,9 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     `optimizer_cls`; `param_groups(name, param) -> dict` overrides them per parameter,
     and parameters with equal overrides share one flat buffer. `loss_scaler` holds
     LossScaler keywords for fp16 (init_scale, growth_interval, hysteresis, ...).
-    `bucket_numel` (stages 0-2): elements per flat gradient bucket; None (the default) picks a thirty-second
-    of the trainable parameters, within [32 Ki, 4 Mi] (core/config.py [Note: default bucket size]).
+    `bucket_numel` (stages 0-2): elements per flat gradient bucket; None (the default) picks an eighth of
+    the trainable parameters at stage 0, all of them at stage 1, a thirty-second at stage 2, within [32 Ki, 4 Mi]
+    (core/config.py [Note: default bucket size]).
     `reduce_dtype` (e.g. torch.float32 with precision="bf16") is the dtype gradients are
     reduced and their shards kept in (default: the param dtype; see core/grad_reduce.py).
     `ordered_reduction`: see core/ordered.py [Note: ordered reduction] (None = ordered on
@@ -171,7 +172,7 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer class, got {optimizer_cls!r}")
     if bucket_numel is None:  # core/config.py [Note: default bucket size]
-        bucket_numel = default_bucket_numel(sum(p.numel() for p in model.parameters() if p.requires_grad))
+        bucket_numel = default_bucket_numel(sum(p.numel() for p in model.parameters() if p.requires_grad), stage)
     config = ShardConfig(stage=stage, bucket_numel=bucket_numel, param_groups=param_groups, cast_inputs=cast_inputs,
                          accumulate=accumulate, max_in_flight=max_in_flight, wrap=wrap, prefetch=prefetch,
                          reshard_after_forward=reshard_after_forward, reduction=reduction,

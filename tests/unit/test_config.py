@@ -86,16 +86,24 @@ def test_reduce_scatter_accumulates_into_a_written_grad_shard_and_drops_its_temp
     assert torch.equal(shard, torch.tensor([11.0, 22.0]))
 
 
-def test_default_bucket_is_a_thirty_second_of_the_trainable_params_within_32ki_and_4mi():
+def test_default_bucket_by_stage_within_32ki_and_4mi():
     from zerokit.core.config import DEFAULT_BUCKET_NUMEL, MIN_BUCKET_NUMEL, default_bucket_numel
 
-    assert default_bucket_numel(1000) == MIN_BUCKET_NUMEL  # a small model: one bucket of the floor
-    assert default_bucket_numel(4_204_801) == 131_401  # Ψ/32, rounded up
-    assert default_bucket_numel(124_000_000) == 3_875_000 and default_bucket_numel(1 << 30) == DEFAULT_BUCKET_NUMEL
+    assert default_bucket_numel(1000, 2) == default_bucket_numel(1000, 0) == MIN_BUCKET_NUMEL  # one bucket, the floor
+    assert default_bucket_numel(4_204_801, 2) == 131_401  # Ψ/32, rounded up
+    assert default_bucket_numel(4_204_801, 3) == 131_401
+    assert default_bucket_numel(4_204_801, 0) == 525_601  # Ψ/8
+    assert default_bucket_numel(4_204_801, 1) == 4_194_304  # Ψ, over the cap
+    assert default_bucket_numel(124_000_000, 2) == 3_875_000 and default_bucket_numel(1 << 30, 2) == DEFAULT_BUCKET_NUMEL
+    assert default_bucket_numel(124_000_000, 0) == DEFAULT_BUCKET_NUMEL  # Ψ/8 over the cap
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))  # 2,099,200 params
     model[1].weight.requires_grad_(False)  # frozen params do not count: 1,050,624 trainable
+    engine = zk.shard(model, torch.optim.SGD, stage=2, lr=0.1)
+    assert engine.config.bucket_numel == default_bucket_numel(1_050_624, 2) == 32_832
     engine = zk.shard(model, torch.optim.SGD, stage=1, lr=0.1)
-    assert engine.config.bucket_numel == default_bucket_numel(1_050_624) == 32_832
+    assert engine.config.bucket_numel == default_bucket_numel(1_050_624, 1) == 1_050_624
+    engine = zk.shard(model, torch.optim.SGD, stage=0, lr=0.1)
+    assert engine.config.bucket_numel == default_bucket_numel(1_050_624, 0) == 131_328
     assert zk.shard(torch.nn.Linear(4, 4), torch.optim.SGD, stage=0, bucket_numel=8, lr=0.1).config.bucket_numel == 8
 
 

@@ -23,23 +23,34 @@ from zerokit.core.tree import REDUCTIONS
 
 DEFAULT_BUCKET_NUMEL = 1 << 22  # the most elements a default bucket holds (4 Mi; 4 bytes each in fp32)
 MIN_BUCKET_NUMEL = 1 << 15  # the fewest a default bucket holds, unless the model is smaller
-BUCKETS_PER_MODEL = 32
+# buckets per model by stage: [Note: default bucket size]
+BUCKETS_PER_MODEL = {0: 8, 1: 1, 2: 32, 3: 32}
 
 
-def default_bucket_numel(trainable_numel: int) -> int:
-    """`zk.shard`'s bucket size when none is given: Ψ_t / 32, within [32 Ki, 4 Mi] elements.
+def default_bucket_numel(trainable_numel: int, stage: int = 2) -> int:
+    """`zk.shard`'s bucket size when none is given: Ψ_t / 8 at stage 0, Ψ_t at stage 1, Ψ_t / 32 at stages
+    2-3, within [32 Ki, 4 Mi] elements.
 
-    [Note: default bucket size] A fixed size is wrong at both ends. Stage 2 holds up to
-    (max_in_flight + 2) buckets of full-size gradients inside backward, and every stage's optimizer
-    (torch's per-tensor AdamW over a few flat shards) makes temporaries the size of the shard it
-    updates, so a bucket the size of the whole model costs a whole extra model of bytes where
-    torch's peers, with per-parameter grads and per-unit reduce-scatters, hold a fraction of it.
-    A thirty-second of the model keeps stage 2's peak at or below FSDP1's at every size measured (a
-    sixteenth did not at every size); the cap keeps large models' buckets near the size DDP uses,
-    the floor keeps small models from paying a collective per few thousand elements. The trade-off, bucket size against peak and step time, is measured by
-    benchmarks/scaling.py --buckets (benchmarks/results/scaling_buckets.md).
+    [Note: default bucket size] A fixed size is wrong at both ends, and the stages want different
+    sizes. Stage 2 holds up to (max_in_flight + 2) buckets of full-size gradients inside backward,
+    where FSDP holds about one unit's: a thirty-second of the model keeps its peak at or below
+    FSDP1's at every size measured (a sixteenth did not at every size). Stages 0 and 1 keep the
+    full gradient anyway; what a bucket costs them is the optimizer's temporaries and, at 3+ ranks,
+    the ordered reduction's receive buffer (one bucket). Stage 0 updates whole buckets, and torch's
+    per-tensor AdamW makes two temporaries the size of the flat shard it updates, where DDP's foreach
+    AdamW makes one the size of the model: an eighth keeps stage 0 at or below DDP's peak, a whole
+    model bucket does not (1.20x). Stage 1 updates 1/N of a bucket: one bucket of up to 4 Mi stayed
+    at or below ZeroRedundancyOptimizer's peak. And every bucket is a collective: at 4 ranks on 2
+    cores stages 0-1 with Ψ/32 buckets took 1.4-2.6x their peer's step time on 0.8M-4.2M models.
+    The cap keeps large models' buckets near the size DDP uses, the floor keeps small models from
+    paying a collective per few thousand elements. The trade-off, bucket size against peak and
+    step time, is measured by benchmarks/scaling.py --buckets (benchmarks/results/scaling_buckets.md,
+    scaling_buckets_n4.md). Stage 3's flat params are its units; the bucket size does not apply.
     """
-    return max(MIN_BUCKET_NUMEL, min(DEFAULT_BUCKET_NUMEL, -(-trainable_numel // BUCKETS_PER_MODEL)))
+    per_model = BUCKETS_PER_MODEL.get(stage, BUCKETS_PER_MODEL[2])
+    return max(MIN_BUCKET_NUMEL, min(DEFAULT_BUCKET_NUMEL, -(-trainable_numel // per_model)))
+
+
 ACCUMULATE_POLICIES = ("reduce_scatter", "local")
 
 WrapPolicy = tuple | type | Callable[[nn.Module], bool] | None
