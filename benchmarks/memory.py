@@ -689,19 +689,26 @@ def qlora_measure(engine, model, info: dict, base, precision: str, stage: int, s
             "gathered_per_step": engine.comm_stats()["all_gather"] - before, "step_s": seconds}
 
 
-def qlora_gpt_rank(rank: int, world_size: int, cfg: dict) -> list[dict]:
+def _qlora_model(model: torch.nn.Module, base: str | None, targets: tuple[str, ...]) -> torch.nn.Module:
+    """QLoRA's recipe on `model`: the base frozen, quantized to `base` ("nf4", "int8"; None keeps it in
+    floating point) except lm_head, rank-8 LoRA adapters on `targets` (seeded: the same on every rank)."""
     from zerokit.quant import quantize
+
+    model.requires_grad_(False)
+    if base:
+        quantize(model, base, skip=("lm_head",))
+    torch.manual_seed(1)
+    zk.lora.inject(model, targets=targets, rank=8, alpha=1.0)
+    return model
+
+
+def qlora_gpt_rank(rank: int, world_size: int, cfg: dict) -> list[dict]:
     corpus = CharCorpus(cfg["text"])
     rows = []
     for precision in cfg["precisions"]:
         for base in QLORA_BASES:
             for stage in STAGES:
-                model = build_model(cfg["model"], seed=0)
-                model.requires_grad_(False)
-                if base:
-                    quantize(model, base, skip=("lm_head",))
-                torch.manual_seed(1)
-                zk.lora.inject(model, targets=("q", "v"), rank=8, alpha=1.0)
+                model = _qlora_model(build_model(cfg["model"], seed=0), base, ("q", "v"))
                 info = qlora_counts(model)
                 engine = zk.shard(model, torch.optim.AdamW, stage=stage, precision=precision, lr=1e-3, wrap=(Block,))
                 batch = lambda i: corpus.batch(cfg["batch_size"], model.cfg.block_size, i, rank, world_size)  # noqa
@@ -717,17 +724,12 @@ def qlora_llama(world_size: int, layers: int) -> list[dict]:
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from zerokit.quant import quantize, quantized_modules
+    from zerokit.quant import quantized_modules
     rows = []
     config = LlamaConfig(num_hidden_layers=layers, **LLAMA_7B)
     for base in QLORA_BASES:
         torch.manual_seed(0)
-        prepared = LlamaForCausalLM(config)
-        prepared.requires_grad_(False)
-        if base:
-            quantize(prepared, base, skip=("lm_head",))
-        torch.manual_seed(1)
-        zk.lora.inject(prepared, targets=("q_proj", "v_proj"), rank=8, alpha=1.0)
+        prepared = _qlora_model(LlamaForCausalLM(config), base, ("q_proj", "v_proj"))
         info = qlora_counts(prepared)
         # The same model with all 32 layers, by the formula: every layer is alike.
         layer = prepared.model.layers[0]

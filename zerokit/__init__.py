@@ -8,6 +8,7 @@ A complete training loop: examples/train_loop.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import os
@@ -118,7 +119,8 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     and parameters with equal overrides share one flat buffer. `loss_scaler` holds
     LossScaler keywords for fp16 (init_scale, growth_interval, hysteresis, ...).
     `bucket_numel` (stages 0-2): elements per flat gradient bucket; None (the default) picks an eighth of
-    the trainable parameters at stage 0, all of them at stage 1, a thirty-second at stage 2, within [32 Ki, 4 Mi]
+    the trainable parameters at stage 0 (and at stage 1 on one rank), all of them at stage 1, a thirty-second
+    at stage 2, within [32 Ki, 4 Mi]
     (core/config.py [Note: default bucket size]).
     `reduce_dtype` (e.g. torch.float32 with precision="bf16") is the dtype gradients are
     reduced and their shards kept in (default: the param dtype; see core/grad_reduce.py).
@@ -171,9 +173,9 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer class, got {optimizer_cls!r}")
-    if bucket_numel is None:  # core/config.py [Note: default bucket size]
-        bucket_numel = default_bucket_numel(sum(p.numel() for p in model.parameters() if p.requires_grad), stage)
-    config = ShardConfig(stage=stage, bucket_numel=bucket_numel, param_groups=param_groups, cast_inputs=cast_inputs,
+    default_bucket = bucket_numel is None  # resolved once the world size is known, below
+    config = ShardConfig(stage=stage, bucket_numel=DEFAULT_BUCKET_NUMEL if default_bucket else bucket_numel,
+                         param_groups=param_groups, cast_inputs=cast_inputs,
                          accumulate=accumulate, max_in_flight=max_in_flight, wrap=wrap, prefetch=prefetch,
                          reshard_after_forward=reshard_after_forward, reduction=reduction,
                          broadcast_buffers=broadcast_buffers)
@@ -190,6 +192,9 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
                              "or drop comm=")
         if debug is not None:
             comm.debug = bool(debug)
+    if default_bucket:  # core/config.py [Note: default bucket size]
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        config = dataclasses.replace(config, bucket_numel=default_bucket_numel(trainable, stage, comm.world_size))
     module_name, class_name = STAGES[stage].split(":")
     engine_cls = getattr(importlib.import_module(module_name), class_name)
     return engine_cls(model, optimizer_cls, optimizer_kwargs, comm=comm, policy=policy, scaler=scaler, config=config)

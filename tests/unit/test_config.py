@@ -101,7 +101,8 @@ def test_default_bucket_by_stage_within_32ki_and_4mi():
     engine = zk.shard(model, torch.optim.SGD, stage=2, lr=0.1)
     assert engine.config.bucket_numel == default_bucket_numel(1_050_624, 2) == 32_832
     engine = zk.shard(model, torch.optim.SGD, stage=1, lr=0.1)
-    assert engine.config.bucket_numel == default_bucket_numel(1_050_624, 1) == 1_050_624
+    assert engine.config.bucket_numel == default_bucket_numel(1_050_624, 1, 1) == 131_328  # one rank: stage 0's
+    assert default_bucket_numel(1_050_624, 1, 2) == default_bucket_numel(1_050_624, 1, 4) == 1_050_624
     engine = zk.shard(model, torch.optim.SGD, stage=0, lr=0.1)
     assert engine.config.bucket_numel == default_bucket_numel(1_050_624, 0) == 131_328
     assert zk.shard(torch.nn.Linear(4, 4), torch.optim.SGD, stage=0, bucket_numel=8, lr=0.1).config.bucket_numel == 8

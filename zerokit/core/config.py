@@ -27,9 +27,9 @@ MIN_BUCKET_NUMEL = 1 << 15  # the fewest a default bucket holds, unless the mode
 BUCKETS_PER_MODEL = {0: 8, 1: 1, 2: 32, 3: 32}
 
 
-def default_bucket_numel(trainable_numel: int, stage: int = 2) -> int:
-    """`zk.shard`'s bucket size when none is given: Ψ_t / 8 at stage 0, Ψ_t at stage 1, Ψ_t / 32 at stages
-    2-3, within [32 Ki, 4 Mi] elements.
+def default_bucket_numel(trainable_numel: int, stage: int = 2, world_size: int = 2) -> int:
+    """`zk.shard`'s bucket size when none is given: Ψ_t / 8 at stage 0 (and at stage 1 on one rank), Ψ_t at
+    stage 1, Ψ_t / 32 at stages 2-3, within [32 Ki, 4 Mi] elements.
 
     [Note: default bucket size] A fixed size is wrong at both ends, and the stages want different
     sizes. Stage 2 holds up to (max_in_flight + 2) buckets of full-size gradients inside backward,
@@ -40,14 +40,15 @@ def default_bucket_numel(trainable_numel: int, stage: int = 2) -> int:
     per-tensor AdamW makes two temporaries the size of the flat shard it updates, where DDP's foreach
     AdamW makes one the size of the model: an eighth keeps stage 0 at or below DDP's peak, a whole
     model bucket does not (1.20x). Stage 1 updates 1/N of a bucket: one bucket of up to 4 Mi stayed
-    at or below ZeroRedundancyOptimizer's peak. And every bucket is a collective: at 4 ranks on 2
+    at or below ZeroRedundancyOptimizer's peak at 2 and 4 ranks (at one rank it updates whole buckets,
+    as stage 0, and takes stage 0's size). And every bucket is a collective: at 4 ranks on 2
     cores stages 0-1 with Ψ/32 buckets took 1.4-2.6x their peer's step time on 0.8M-4.2M models.
     The cap keeps large models' buckets near the size DDP uses, the floor keeps small models from
     paying a collective per few thousand elements. The trade-off, bucket size against peak and
     step time, is measured by benchmarks/scaling.py --buckets (benchmarks/results/scaling_buckets.md,
     scaling_buckets_n4.md). Stage 3's flat params are its units; the bucket size does not apply.
     """
-    per_model = BUCKETS_PER_MODEL.get(stage, BUCKETS_PER_MODEL[2])
+    per_model = BUCKETS_PER_MODEL[0 if stage == 1 and world_size == 1 else stage]
     return max(MIN_BUCKET_NUMEL, min(DEFAULT_BUCKET_NUMEL, -(-trainable_numel // per_model)))
 
 
