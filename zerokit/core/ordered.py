@@ -19,7 +19,8 @@ Costs: benchmarks/collectives.py (benchmarks/results/reduce_scatter_cost.md), be
 At 3+ ranks the halves of an ordered all-reduce (stage 0's buckets, issued one by one in backward) run
 apart: the all-to-all is issued when the bucket is ready, its rows are summed as soon as they have
 arrived (`sum_arrived_rows`, checked whenever the next one is issued: local work, which may differ
-between ranks), and the all-gathers of every waiting sum are issued together, in one round, at the first
+between ranks; at most ROWS_IN_FLIGHT receive buffers are left waiting, each a bucket, so that a
+backward's buckets do not all hold one at once), and the all-gathers of every waiting sum are issued together, in one round, at the first
 wait() on any of them or before any other kind of collective is recorded (`issue_second_halves`). Both
 are points every rank reaches at the same place in its sequence of collectives, so the sequences still
 match. The alternatives, an all-gather right after each all-to-all (two rendezvous per bucket) or one
@@ -125,12 +126,22 @@ def all_reduce(comm, tensor: torch.Tensor, async_op: bool, rec: CollectiveRecord
     return comm._handle(None, async_op, (), finish, local=False)
 
 
+ROWS_IN_FLIGHT = 2  # all-to-alls whose receive buffers may wait for their sum when another is issued
+
+
 def sum_arrived_rows(comm) -> None:
     """Sum the rows of every waiting all-reduce whose all-to-all has arrived, freeing its receive buffer
-    now rather than at the end of backward. Local work only: what it does may differ between ranks."""
+    now rather than at the end of backward; then wait for the oldest until at most ROWS_IN_FLIGHT
+    receive buffers remain, as stage 2 bounds its reduce-scatters in flight ([Note: split all-reduces]).
+    Local work only: what it does may differ between ranks, and what it waits for every rank has issued."""
+    pending = []
     for half in comm._second_halves:
         if not half.reduced.done and half.reduced.completed():
             half.reduced.wait()
+        elif not half.reduced.done:
+            pending.append(half)
+    for half in pending[:max(0, len(pending) - ROWS_IN_FLIGHT)]:
+        half.reduced.wait()
 
 
 def issue_second_halves(comm) -> None:
