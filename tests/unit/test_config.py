@@ -94,7 +94,8 @@ def test_default_bucket_by_stage_within_32ki_and_4mi():
     assert default_bucket_numel(4_204_801, 3) == 131_401
     assert default_bucket_numel(4_204_801, 0) == 525_601  # Ψ/8
     assert default_bucket_numel(4_204_801, 1) == 4_194_304  # Ψ, over the cap
-    assert default_bucket_numel(124_000_000, 2) == 3_875_000 and default_bucket_numel(1 << 30, 2) == DEFAULT_BUCKET_NUMEL
+    assert default_bucket_numel(124_000_000, 2) == 3_875_000
+    assert default_bucket_numel(1 << 30, 2) == DEFAULT_BUCKET_NUMEL
     assert default_bucket_numel(124_000_000, 0) == DEFAULT_BUCKET_NUMEL  # Ψ/8 over the cap
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))  # 2,099,200 params
     model[1].weight.requires_grad_(False)  # frozen params do not count: 1,050,624 trainable

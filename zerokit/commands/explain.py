@@ -76,7 +76,8 @@ def layout_report(model_name: str, world_size: int, stage: int, bucket_numel: in
     num_params = sum(f["numel"] for f in flats)
     trainable = sum(f["numel"] for f in flats if f["requires_grad"])
     return {"model": model_name, "world_size": world_size, "stage": stage, "precision": precision,
-            "optimizer": optimizer, "bucket_numel": bucket_numel or zk.default_bucket_numel(trainable, stage, world_size),
+            "optimizer": optimizer,
+            "bucket_numel": bucket_numel or zk.default_bucket_numel(trainable, stage, world_size),
             "num_params": num_params, "trainable_params": trainable, "units": units, "flat_params": flats,
             "bytes_per_rank": layout_bytes_per_rank(flats, stage, precision, optimizer),
             "estimate": estimate(num_params, world_size, stage, precision, optimizer,

@@ -20,10 +20,10 @@ At 3+ ranks the halves of an ordered all-reduce (stage 0's buckets, issued one b
 apart: the all-to-all is issued when the bucket is ready, its rows are summed as soon as they have
 arrived (`sum_arrived_rows`, checked whenever the next one is issued: local work, which may differ
 between ranks; at most ROWS_IN_FLIGHT receive buffers are left waiting, each a bucket, so that a
-backward's buckets do not all hold one at once), and the all-gathers of every waiting sum are issued together, in one round, at the first
-wait() on any of them or before any other kind of collective is recorded (`issue_second_halves`). Both
-are points every rank reaches at the same place in its sequence of collectives, so the sequences still
-match. The alternatives, an all-gather right after each all-to-all (two rendezvous per bucket) or one
+backward's buckets do not all hold one at once), and the all-gathers of every waiting sum are issued
+together, in one round, at the first wait() on any of them or before any other kind of collective is
+recorded (`issue_second_halves`). Both are points every rank reaches at the same place in its sequence
+of collectives, so the sequences still match. The alternatives, an all-gather right after each all-to-all (two rendezvous per bucket) or one
 all-gather of whole buckets summed locally (an (N·B,) buffer per bucket in flight), are slower or larger.
 """
 from __future__ import annotations
