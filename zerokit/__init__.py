@@ -119,9 +119,8 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     and parameters with equal overrides share one flat buffer. `loss_scaler` holds
     LossScaler keywords for fp16 (init_scale, growth_interval, hysteresis, ...).
     `bucket_numel` (stages 0-2): elements per flat gradient bucket; None (the default) picks an eighth of
-    the trainable parameters at stage 0 (and at stage 1 on one rank), all of them at stage 1, a thirty-second
-    at stage 2, within [32 Ki, 4 Mi]
-    (core/config.py [Note: default bucket size]).
+    the trainable parameters at stage 0 (and at stage 1 on one rank), all of them at stage 1, a
+    thirty-second at stage 2, within [32 Ki, 4 Mi] (core/config.py [Note: default bucket size]).
     `reduce_dtype` (e.g. torch.float32 with precision="bf16") is the dtype gradients are
     reduced and their shards kept in (default: the param dtype; see core/grad_reduce.py).
     `ordered_reduction`: see core/ordered.py [Note: ordered reduction] (None = ordered on

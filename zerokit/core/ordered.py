@@ -23,8 +23,9 @@ between ranks; at most ROWS_IN_FLIGHT receive buffers are left waiting, each a b
 backward's buckets do not all hold one at once), and the all-gathers of every waiting sum are issued
 together, in one round, at the first wait() on any of them or before any other kind of collective is
 recorded (`issue_second_halves`). Both are points every rank reaches at the same place in its sequence
-of collectives, so the sequences still match. The alternatives, an all-gather right after each all-to-all (two rendezvous per bucket) or one
-all-gather of whole buckets summed locally (an (N·B,) buffer per bucket in flight), are slower or larger.
+of collectives, so the sequences still match. The alternatives, an all-gather right after each
+all-to-all (two rendezvous per bucket) or one all-gather of whole buckets summed locally (an (N·B,)
+buffer per bucket in flight), are slower or larger.
 """
 from __future__ import annotations
 
