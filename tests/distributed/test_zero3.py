@@ -470,29 +470,47 @@ def test_a_unit_no_backward_reached_steps_like_stage0():
     assert _differences(results[1], results[0]) == []
 
 
-def test_a_flat_params_gradients_are_autograds_own_until_its_last_one():
-    """[Note: gradients packed when complete] in zerokit/stages/zero3.py: no full-size gradient exists
-    before a flat param's last gradient; until then each `.grad` is autograd's own tensor (its own
-    storage, not a view of a unit-sized buffer). After backward `.grad` shows the grad shard as before."""
+def test_a_units_gradients_are_autograds_own_until_its_backward_is_over():
+    """[Note: gradients packed when complete] and [Note: reduce once the unit's backward is over] in
+    zerokit/stages/zero3.py: no full-size gradient exists while a block's backward runs; until it is
+    over each `.grad` is autograd's own tensor (its own storage, not a view of a unit-sized buffer).
+    A block's gradients are reduce-scattered only after its parameters are freed, and on CPU each
+    reduction is finished before the next block's backward goes on. After backward `.grad` shows the
+    grad shard as before."""
+    from zerokit.core.unit import UnitState
+
     cls, opt_kw = ADAMW
     engine = zk.shard(_model(), cls, stage=3, wrap=(OddBlock,), **opt_kw)
-    seen = []  # (own storage?, full-size gradients in existence) as each gradient is accumulated
+    seen = []  # (own storage?, full-size gradients in existence, root param?) as each gradient is accumulated
+    reduced = []  # (unit index, its state) as each flat param's reduce-scatter is launched
+    root_params = {id(p) for fp in engine.units[0].flat_params for p in fp.params}
 
     def look(p):
         own = p.grad.untyped_storage().nbytes() == p.numel() * p.element_size()
-        seen.append((own, sum(g is not None for g in engine.flat_grads)))
+        seen.append((own, sum(g is not None for g in engine.flat_grads), id(p) in root_params))
 
+    launch = engine.reduce_scatter_grad
+
+    def watch(state):
+        unit = engine.unit_of[state.fp.index]
+        reduced.append((unit.index, unit.state))
+        return launch(state)
+
+    engine.reduce_scatter_grad = watch
     params = [p for p in engine.module.parameters() if p.requires_grad]
-    for p in params:  # after zerokit's own hook, which packs at the last gradient
+    for p in params:  # after zerokit's own hook
         p.register_post_accumulate_grad_hook(look)
     for step in range(2):
         seen.clear()
+        reduced.clear()
         engine.zero_grad()
         engine.backward(engine(*odd_batch(step, BATCH)))
         assert len(seen) == len(params)
-        assert seen[0] == (True, 0), seen  # the first gradient of backward: nothing full-size allocated
-        # every gradient but each flat param's last is autograd's own
-        assert sum(own for own, _ in seen) == len(params) - len(engine.trainable), seen
-        # at most the newest flat param's full gradient and the one reduce-scatter in flight beside it
-        assert max(n for _, n in seen) <= 2, seen
-        assert all(p.grad is not None and p.grad.numel() == p.numel() for p in params)
+        assert seen[0][:2] == (True, 0), seen  # the first gradient of backward: nothing full-size allocated
+        assert all(own for own, _, root in seen if not root), seen  # a block's: autograd's own, always
+        assert sum(own for own, _, _ in seen) >= len(params) - len(engine.trainable), seen
+        assert max(n for _, n, _ in seen) == 0, seen  # CPU: the block before was reduced and freed already
+        assert len(reduced) == len(engine.trainable), reduced  # every flat param once
+        assert all(state is UnitState.SHARDED for k, state in reduced if k != 0), reduced  # freed first
+        assert [k for k, _ in reduced if k != 0] == sorted((k for k, _ in reduced if k != 0), reverse=True)
+    assert all(p.grad is not None and p.grad.numel() == p.numel() for p in params)

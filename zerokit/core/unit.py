@@ -44,7 +44,9 @@ been computed — (b) is observed by an identity autograd function applied to th
 `pre_forward`, whose backward runs after the unit's whole backward. (a) alone is not enough:
 a frozen weight used before the first trainable one is still needed for the input gradient
 after every parameter gradient is final. Then `post_backward` frees the unit (the root stays
-whole until the end of backward: its first ops, the embedding, may still be ahead).
+whole until the end of backward: its first ops, the embedding, may still be ahead) and hands the
+gradients it held to the stage to reduce (stages/zero3.py [Note: reduce once the unit's backward is
+over]).
 
 [Note: activation checkpointing]
 Non-reentrant `torch.utils.checkpoint` re-runs a unit's forward *inside* backward when its
@@ -115,7 +117,10 @@ class Unit:
     """One unit's flat params, their storage, and where they are in their lifecycle."""
 
     def __init__(self, index: int, name: str, module: nn.Module, flat_params: list[FlatParamLayout],
-                 param_shards: list[torch.Tensor], flat_data: list[torch.Tensor], comm, gather_stream=None):
+                 param_shards: list[torch.Tensor], flat_data: list[torch.Tensor], comm, gather_stream=None,
+                 reduce: Callable[[list], None] | None = None):
+        """`reduce`: the stage's call for the gradients the unit held until its backward was over
+        ([Note: reduce once the unit's backward is over])."""
         self.index = index
         self.name = name  # qualified module name; "" for the root unit
         self.module = module
@@ -125,6 +130,8 @@ class Unit:
         self.flat_data = flat_data  # (padded_numel,) each; storage 0 bytes while sharded
         self.comm = comm
         self.gather_stream = gather_stream  # CUDA: gathers run on this side stream
+        self.reduce = reduce
+        self.held: list = []  # complete gradients (the stage's flat param states) not yet handed to `reduce`
         self.state = UnitState.SHARDED
         self._handles: list = []  # in-flight all-gathers (GATHERING, no side stream)
         self._event = None  # CUDA: recorded on the gather stream after the gathers
@@ -242,10 +249,21 @@ class Unit:
             self.unshard("backward")
         return first
 
-    def grad_reduced(self) -> None:
-        """One of the unit's trainable flat params has had its gradient reduced (or kept, under no_sync)."""
+    def grad_ready(self, state) -> None:
+        """One of the unit's trainable flat params has its whole gradient (`state`, the stage's): the root's is
+        reduced now, every other unit's once its backward is over (stages/zero3.py [Note: reduce once the
+        unit's backward is over])."""
         self.pending_grads -= 1
+        self.held.append(state)
+        if self.is_root:
+            self.hand_over()
         self.post_backward()
+
+    def hand_over(self) -> None:
+        """The held gradients go to the stage's `reduce`, in the order they became complete."""
+        held, self.held = self.held, []
+        if held:
+            self.reduce(held)
 
     def _inputs_grad_done(self) -> None:
         self.pending_inputs -= 1
@@ -256,9 +274,11 @@ class Unit:
         return self.backward_started and self.pending_grads == 0 and self.pending_inputs == 0
 
     def post_backward(self) -> None:
-        """Free the params once the unit's backward is over; the root waits for the end of backward."""
+        """Once the unit's backward is over: free the params, then reduce its gradients. The root stays whole
+        until the end of backward."""
         if not self.is_root and self.pending_grads == 0 and self.pending_inputs == 0:
             self.reshard()
+            self.hand_over()
 
     def abandon_pass(self) -> None:
         """A forward or backward that raised left this unit gathered, or gathering, or counting: wait for its
@@ -270,6 +290,7 @@ class Unit:
         self.pending_grads = self.num_trainable  # trainable flat params whose gradient is not reduced yet
         self.pending_inputs = 0  # watched forward calls whose input gradient is not computed yet
         self.backward_started = False
+        self.held = []
 
 
 class _InputsGradDone(torch.autograd.Function):
@@ -408,6 +429,13 @@ def gathered(units: list[Unit]) -> Iterator[None]:
         for unit, keep in zip(units, was_gathered):
             if not keep:
                 unit.reshard()
+
+
+def hand_over_all(units: list[Unit]) -> None:
+    """End of backward: every unit's held gradients go to be reduced, in unit order (the same on every rank), e.g. a
+    unit whose inputs' gradient was never computed (its output reached the loss, its inputs did not)."""
+    for unit in units:
+        unit.hand_over()
 
 
 def reshard_all(units: list[Unit]) -> None:

@@ -23,10 +23,10 @@ What happens, per step (differences from stage 2 marked *):
   * *forward: the root is gathered when the model is called; a forward pre-hook gathers each
     unit (already in flight when `prefetch` > 0, core/prefetch.py), the unit computes, and a
     forward hook frees it (`reshard_after_forward=True`) or keeps it for backward (False);
-  * backward: *a hook on a unit's outputs gathers it again before its backward ops run; once a
-    flat param's gradients are all there they are packed and reduce-scattered into its grad
-    shard, at most one reduce-scatter left in flight; *once the unit's backward is over its
-    parameters are freed (core/unit.py [Note: gather again in backward]);
+  * backward: *a hook on a unit's outputs gathers it again before its backward ops run; *once the
+    unit's backward is over its parameters are freed (core/unit.py [Note: gather again in backward]),
+    then its gradients are packed and reduce-scattered into its grad shards, left in flight beside
+    the next unit's backward on CUDA ([Note: reduce once the unit's backward is over]);
   * step: every rank updates its own shard. *No all-gather after it: the next forward gathers.
 
 Collectives per step, logical bytes per rank (p = param bytes/elt, g = grad bytes/elt):
@@ -63,12 +63,32 @@ Stages 0-2 give every parameter a `.grad` view into its bucket's flat gradient b
 first accumulation. At stage 3 a unit's whole flat gradient would then be allocated early in its
 backward, while its activations are all still live and most of its gradients not yet computed
 (FSDP2 does not allocate it either). Instead `.grad` is None when autograd reaches a flat param
-(`packs_grads`, core/user_grads.py), autograd makes each parameter's gradient, and when the last
-one is there (`_on_grads_ready`) they are added into a zeroed (padded_numel,) buffer, `.grad`
+(`packs_grads`, core/user_grads.py), autograd makes each parameter's gradient, and when the unit's
+backward is over (`_reduce_unit_grads`) they are added into a zeroed (padded_numel,) buffer, `.grad`
 becomes its views, and autograd's tensors go (core/unit.py `packed_grads`). Adding onto zeros is
 what autograd's accumulation into a zeroed view did, so the bits are those of stages 0-2. When a
 full gradient already exists (kept by no_sync) or user code assigned a `.grad`, autograd
 accumulates into the full gradient's views, as at stages 0-2.
+
+[Note: reduce once the unit's backward is over]
+A unit has one flat param per dtype / requires_grad / optimizer option set, so a GPT block has two:
+its weights (decay) and its biases and norms (no decay). The weights' gradients are complete before
+the block's first LayerNorm has run its backward; reduced then, the weights' full gradient and the
+reduce-scatter's receive buffer (N rows of a shard: the gradient's size again; gloo's native
+reduce-scatter clones its input instead) sat beside the rest of the block's backward, its activations
+and gathered parameters. So, as FSDP2's post-backward does for its parameter group, a unit's
+complete gradients wait until its backward is over (every trainable gradient complete, and its
+inputs' gradient computed: core/unit.py [Note: gather again in backward]); then the unit is freed
+and only then are its gradients packed and reduce-scattered, one after the other. The root, whole
+until the end of backward, reduces each flat param as it completes.
+
+How long they stay in flight depends on the device. On CUDA the collectives run on NCCL's stream and
+the CPU goes on to the next unit's backward, waiting for the unit before only when the next one is
+reduced: communication hides behind computation, for one unit's full gradients and receive buffers.
+On CPU the stage waits for them at once, as torch's FSDP1 and FSDP2 do on CPU (a blocking collective
+in the post-backward hook): a gloo collective competes with computation for the same cores, and the
+overlap held a unit's gradient twice over beside the next unit's backward. The peaks before and after,
+beside FSDP1's: benchmarks/results/where_peak_stage3_unit_end.md and docs/scaling.md.
 """
 from __future__ import annotations
 
@@ -86,8 +106,8 @@ from zerokit.core.gather import free_storage
 from zerokit.core.hooks import GradReadyTracker
 from zerokit.core.nest import tensors_in
 from zerokit.core.prefetch import RecordedOrder, reverse_first_calls
-from zerokit.core.unit import (Unit, eager, gather_state_dict, gathered, packed_grads, prefetch, reshard_all,
-                               split_into_units)
+from zerokit.core.unit import (Unit, eager, gather_state_dict, gathered, hand_over_all, packed_grads, prefetch,
+                               reshard_all, split_into_units)
 from zerokit.optim.sharded import ShardedOptimizer
 
 
@@ -142,7 +162,8 @@ class Zero3Engine(Checkpointing, Engine):
         self.units: list[Unit] = []
         for k, ((name, module), fps) in enumerate(zip(named_modules, units_flat_params)):
             self.units.append(Unit(k, name, module, fps, [self.param_shards[fp.index] for fp in fps],
-                                   [self.flat_data[fp.index] for fp in fps], self.comm, self.gather_stream))
+                                   [self.flat_data[fp.index] for fp in fps], self.comm, self.gather_stream,
+                                   reduce=self._reduce_unit_grads))
         self.unit_of = {fp.index: unit for unit in self.units for fp in unit.flat_params}
         self.forward_order = RecordedOrder([unit.index for unit in self.units[1:]])  # first guess: registration
         self.backward_order = RecordedOrder(reverse_first_calls(self.forward_order.recorded))
@@ -203,23 +224,29 @@ class Zero3Engine(Checkpointing, Engine):
 
     # 2. gradient hook ---------------------------------------------------------------
     def _on_grads_ready(self, fp: FlatParamLayout) -> None:
-        """A flat param's gradients are all accumulated: packed ([Note: gradients packed when complete]), then
-        reduced (or held under no_sync: core/engine.py); the unit is freed if its backward is over."""
-        state = self.states[fp.index]
-        if state.unpacked:
-            state.flat_grad, state.unpacked = packed_grads(fp), False
-        self.reduce_or_hold(state)
-        self.unit_of[fp.index].grad_reduced()
+        """A flat param's gradients are all accumulated: its unit holds it until the unit's backward is over
+        ([Note: reduce once the unit's backward is over]), then `_reduce_unit_grads` runs."""
+        self.unit_of[fp.index].grad_ready(self.states[fp.index])
+
+    def _reduce_unit_grads(self, states: list[FlatParamState]) -> None:
+        """A unit's backward is over and its params are freed (the root: one flat param is complete): pack
+        ([Note: gradients packed when complete]) and reduce each gradient (or hold it under no_sync:
+        core/engine.py); on CUDA leave this unit's reduce-scatters in flight beside the next unit's backward,
+        on CPU wait for them here ([Note: reduce once the unit's backward is over])."""
+        for state in states:
+            if state.unpacked:
+                state.flat_grad, state.unpacked = packed_grads(state.fp), False
+            self.reduce_or_hold(state)
+        self.in_flight.wait_until(len(states) if self.gather_stream is not None else 0)
 
     def reduce_grads(self, state: FlatParamState) -> None:
         """Reduce-scatter now (into the grad shard, allocated if zero_grad freed it: [Note: grad shards]), free the
         full buffer when done: core/engine.py `reduce_scatter_grad`."""
         self.reduce_scatter_grad(state)
-        # The CPU waits here for the older one: one reduce-scatter in flight beside the newest.
-        self.in_flight.wait_until(1)
 
     # 3. finish backward ---------------------------------------------------------------
     def _on_backward_end(self) -> None:
+        hand_over_all(self.units)  # a unit whose inputs' gradient never came: its gradients go now
         self.in_flight.wait_all()
         reshard_all(self.units)
         self.backward_order.end()  # re-recorded if it changed: core/prefetch.py
