@@ -49,6 +49,19 @@ last bucket is released (buckets are released strictly in order, so its others a
 The plan is static, the same on every rank. The buckets, and so the optimizer's flat buffers
 and the norm's summation order, are unchanged, and an all-reduce is elementwise (the ordered
 one too), so grouping changes no bit of any result.
+
+[Note: grad shards]
+At stages 2 and 3 a grad shard (this rank's range of a bucket's averaged gradient) is needed from
+the bucket's first reduce-scatter to the optimizer step, not between zero_grad and backward. So
+zero_grad frees every grad shard (`drop_grad_shard`, as torch FSDP's zero_grad(set_to_none=True)
+frees the sharded `.grad`s) and the first reduce-scatter of the next backward allocates it
+(`grad_shard`): backward's peak holds the grad shards of the buckets reduced so far, not all of
+them, which is what it is when the peak comes before the last bucket (GPT-2's tied embedding is
+reduced last; benchmarks/results/where_peak_stage2_124m.md). Meanwhile the params' `.grad` is
+None, as in torch. A bucket no backward reached since zero_grad steps on zeros, as at stage 0
+(`grad_shards` allocates them), so the stages stay bitwise equal. What a rank holds after
+backward (the stages' formulas) is unchanged. Stage 1's grad shard is its range of the full
+gradient, which it keeps.
 """
 from __future__ import annotations
 
@@ -241,13 +254,20 @@ class GradPath:
         return reduction
 
     def grad_shard(self, state) -> torch.Tensor:
-        """The flat param's (shard_numel,) grad shard, allocated (zeros) where zero_grad freed it (stage 3)."""
+        """The flat param's (shard_numel,) grad shard, allocated (zeros) where zero_grad freed it (stages 2-3:
+        [Note: grad shards])."""
         return state.grad_shard if state.grad_shard is not None else self.new_grad_shard(state)
 
     def grad_shards(self) -> list[torch.Tensor]:
         """Stages 1-3: this rank's range of each trainable flat param's averaged gradient, what the step reads
         (a flat param no backward reached since zero_grad steps on zeros, as at stage 0)."""
         return [self.grad_shard(self.states[fp.index]) for fp in self.trainable]
+
+    def drop_grad_shard(self, state) -> None:
+        """zero_grad at stages 2-3 ([Note: grad shards]): the grad shard goes, and a full gradient kept by
+        no_sync and never sent; `.grad` is None until the next synced backward."""
+        state.grad_shard, state.shown_grads, state.grad_shard_written = None, None, False
+        self.release_flat_grad(state)
 
     def new_grad_shard(self, state, grad_shard: torch.Tensor | None = None) -> torch.Tensor:
         """Give a flat param its (shard_numel,) grad shard (zeros in the reduce dtype, or `grad_shard`) and

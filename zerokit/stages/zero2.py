@@ -4,19 +4,20 @@ Stage 1 keeps every full gradient until backward ends, although after its reduce
 a rank needs only its own range. Stage 2 reduce-scatters each bucket from the gradient
 hook the moment that bucket is complete, during backward, and releases the bucket's
 full-size gradient storage as soon as that reduce-scatter has completed: only the
-grad shards persist. A bucket's storage is allocated again lazily, just before autograd
+grad shards persist (from the first reduce-scatter to zero_grad: core/grad_reduce.py
+[Note: grad shards]). A bucket's storage is allocated again lazily, just before autograd
 accumulates its first gradient of the next backward (a gradient pre-hook, see
 core/hooks.py).
 
 What happens, per step (differences from stage 1 marked *):
-  * construction: as stage 1 (broadcast, flat buckets, persistent grad shards, an
+  * construction: as stage 1 (broadcast, flat buckets, an
     optimizer over this rank's param_shard views), *but no full gradient buckets;
   * *backward: just before a bucket's first gradient arrives, a zeroed (padded_numel,)
     buffer is allocated and the params' `.grad`s become views into it; when the bucket is
     complete it is scaled by 1/N and reduce-scattered asynchronously into this rank's
     grad shard; when that completes the full buffer is dropped (`param.grad` then shows this
     rank's part of the average, a ShardedGrad: core/user_grads.py [Note: param.grad belongs to
-    the user]; `model.zero_grad()` before the next backward clears the grad shard);
+    the user]; `model.zero_grad()` or `engine.zero_grad()` frees the grad shard);
     at most `max_in_flight` (default 2) reduce-scatters are left running: the hook waits
     for the oldest ones (a CPU wait) before backward goes on;
   * end of backward: wait for every bucket;
@@ -100,9 +101,8 @@ class Zero2Engine(Checkpointing, Engine):
         for fp in self.flat_params:  # (padded_numel,) full gradients: None except while a bucket is accumulated
             # or reduce-scattered (or kept by no_sync under accumulate="local"); made by core/user_grads.py
             fp.use_as_grad_storage(None)
-        for fp in self.trainable:  # (shard_numel,) reduce dtype: this rank's averaged range, for good
-            self.new_grad_shard(self.states[fp.index])
-            fp.show_grads(self.states[fp.index].shown_grads)  # `.grad` shows its part between backwards
+        # grad shards: allocated by the first reduce-scatter, freed by zero_grad: core/grad_reduce.py
+        # [Note: grad shards]
         self.optimizer = ShardedOptimizer(
             optimizer_cls, optimizer_kwargs,
             param_shards=[fp.shard_of(self.flat_data[fp.index]) for fp in self.trainable],  # views: updated in place
@@ -138,8 +138,6 @@ class Zero2Engine(Checkpointing, Engine):
         self.begin_zero_grad()  # a pass that raised, the clip coefficient, the tree's partial sums: core/engine.py
         for fp in self.trainable:
             state = self.states[fp.index]
-            self.release_flat_grad(state)  # a bucket kept by no_sync ("local") and never sent goes too
-            state.grad_shard.zero_()
-            state.grad_shard_written = False
+            self.drop_grad_shard(state)  # and a bucket kept by no_sync ("local") and never sent: core/grad_reduce.py
 
     # 6. state_dict (the fp32 masters all-gathered), what it holds, checkpoint hook: core/engine.py ----------

@@ -3,8 +3,8 @@
 Stage 2 still holds every parameter whole between steps, although a rank updates only its
 own range. Stage 3 keeps only the param shards, and gathers a group of modules' parameters
 whole just for that group's forward and backward: a *unit* (core/unit.py). That is the one
-idea this file adds to stage 2; the gradient path is stage 2's, except that gradients are
-packed once complete and zero_grad frees the grad shards (the Notes below).
+idea this file adds to stage 2; the gradient path is stage 2's, except that a unit's gradients
+are packed and reduced once the unit's backward is over (the Notes below).
 
 The `wrap` policy splits the model into units (e.g. every GPT `Block`); the root unit holds
 every parameter no unit claims (embeddings, final norm, the tied head). Each unit's
@@ -13,7 +13,7 @@ within the unit, never split), of which only this rank's range persists:
 
     param_shard (shard_numel,)    persistent, param dtype; the optimizer's fp32 master covers it
     grad_shard  (shard_numel,)    reduce dtype, from the first reduce-scatter after zero_grad
-                                  until the next zero_grad ([Note: grad shards])
+                                  until the next zero_grad (core/grad_reduce.py [Note: grad shards])
     flat_data   (padded_numel,)   the gathered flat buffer; its storage is 0 bytes whenever the
                                   unit is sharded (core/unit.py [Note: storage, not .data])
 
@@ -48,15 +48,6 @@ Per-rank memory (Ψ parameters, up to padding < N elements per flat param):
 Every rank must run the same units in the same order: checked, core/recorder.py [Note:
 rank-dependent units]. A method that runs the model without calling it (a PEFT `generate`) is registered with
 `register_forward_method`: core/unit.py [Note: forward methods].
-
-[Note: grad shards]
-A grad shard is needed from its flat param's first reduce-scatter to the optimizer step, not
-between zero_grad and backward. So zero_grad frees every grad shard (as torch FSDP's
-zero_grad(set_to_none=True) frees the sharded `.grad`s) and the first reduce-scatter of the
-next backward allocates it: backward's peak holds the grad shards of the units reduced so far,
-not all of them. Meanwhile the params' `.grad` is None, as in torch. A flat param no backward
-reached since zero_grad steps on zeros, as at stage 0 (`Engine.grad_shard` allocates them), so
-the stages stay bitwise equal. The formula above (16Ψ/N) is what a rank holds after backward.
 
 [Note: gradients packed when complete]
 Stages 0-2 give every parameter a `.grad` view into its bucket's flat gradient before autograd's
@@ -143,7 +134,8 @@ class Zero3Engine(Checkpointing, Engine):
         self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
         for fp in self.flat_params:  # (padded_numel,) full gradients: None except while a flat param is
             # accumulated or reduce-scattered (or kept by no_sync); [Note: gradients packed when complete]
-            fp.use_as_grad_storage(None)  # grad shards: allocated by the first reduce-scatter ([Note: grad shards])
+            fp.use_as_grad_storage(None)  # grad shards: allocated by the first reduce-scatter (core/grad_reduce.py
+            # [Note: grad shards])
         self.optimizer = ShardedOptimizer(
             optimizer_cls, optimizer_kwargs,
             param_shards=[self.param_shards[fp.index] for fp in self.trainable],
@@ -240,8 +232,8 @@ class Zero3Engine(Checkpointing, Engine):
         self.in_flight.wait_until(len(states) if self.gather_stream is not None else 0)
 
     def reduce_grads(self, state: FlatParamState) -> None:
-        """Reduce-scatter now (into the grad shard, allocated if zero_grad freed it: [Note: grad shards]), free the
-        full buffer when done: core/engine.py `reduce_scatter_grad`."""
+        """Reduce-scatter now (into the grad shard, allocated if zero_grad freed it: core/grad_reduce.py [Note: grad
+        shards]), free the full buffer when done: core/engine.py `reduce_scatter_grad`."""
         self.reduce_scatter_grad(state)
 
     # 3. finish backward ---------------------------------------------------------------
@@ -268,11 +260,10 @@ class Zero3Engine(Checkpointing, Engine):
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
         self.begin_zero_grad(forward_cut_short=self._in_forward)  # a pass that raised, ...: core/engine.py
-        for fp in self.trainable:  # [Note: grad shards]
+        for fp in self.trainable:  # core/grad_reduce.py [Note: grad shards]
             state = self.states[fp.index]
             state.unpacked = False  # a backward left half-done: its params' own gradients go too
-            state.grad_shard, state.shown_grads, state.grad_shard_written = None, None, False
-            self.release_flat_grad(state)  # a gradient kept by no_sync and never sent goes too; `.grad` is None
+            self.drop_grad_shard(state)  # and a gradient kept by no_sync and never sent; `.grad` is None
 
     # 6. state_dict ----------------------------------------------------------------------
     def state_dict(self, full: bool = True) -> dict[str, torch.Tensor]:
