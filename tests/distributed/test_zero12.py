@@ -184,6 +184,10 @@ def _cases(rank, world_size):
             engine.backward(engine(x, y))
             engine.step()  # creates the optimizer states
             engine.zero_grad()
+            if stage == 2:  # core/grad_reduce.py [Note: grad shards]: gone until the next backward reduce-scatters
+                assert all(s.grad_shard is None for s in engine.states), "stage 2's zero_grad frees the grad shards"
+                assert all(p.grad is None for p in model.parameters()), "`.grad` is None after zero_grad, as in torch"
+                assert engine.memory().get("grads", 0) == 0, engine.memory()
             engine.comm.reset_stats()
             engine.backward(engine(x, y))
             memory = engine.memory()  # measured after backward, before the step
