@@ -128,8 +128,9 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     (for example a simulated rank of a larger world). `accumulate` (stage 2 only): how
     gradients accumulate under `no_sync()` — "reduce_scatter" every micro-step into the
     grad shard (low memory; the default) or "local" full gradients until the last micro-step
-    (less communication; the only choice under reduction="tree"); see stages/zero2.py. `max_in_flight` (stage 2): reduce-scatters left
-    running before a gradient hook waits, which bounds full-size gradient memory.
+    (less communication; the only choice under reduction="tree"); see stages/zero2.py. `max_in_flight` (stages 1-2): reduce-scatters left
+    running before a gradient hook waits, which bounds full-size gradient memory (stage 2) and the
+    reduce-scatters' receive buffers (stages 1-2).
     `cast_inputs` (bf16/fp16): floating-point tensors among the arguments of `engine(...)`,
     nested in lists, tuples and dicts, are cast to the param dtype, as torch FSDP's mixed
     precision does; integer and bool tensors are untouched, and the output stays in the

@@ -66,7 +66,7 @@ class ShardConfig:
     param_groups: ParamGroupFn | None = None  # every stage: per-parameter optimizer overrides
     cast_inputs: bool = True  # every stage: cast floating inputs to the param dtype (bf16/fp16)
     accumulate: str | None = None  # stage 2: how no_sync() micro-steps accumulate (None: the reduction's default)
-    max_in_flight: int = 2  # stage 2: reduce-scatters left running before a gradient hook waits
+    max_in_flight: int = 2  # stages 1-2: reduce-scatters left running before a gradient hook waits
     wrap: WrapPolicy = None  # stage 3: which modules are units
     prefetch: int = 1  # stage 3: units gathered ahead of the one computing
     reshard_after_forward: bool = True  # stage 3: free a unit's params between its forward and backward

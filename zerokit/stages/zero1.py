@@ -85,6 +85,7 @@ class Zero1Engine(Checkpointing, Engine):
     def __init__(self, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *, comm, policy, scaler,
                  config: ShardConfig):
         super().__init__(module, comm, policy, scaler, config)
+        self.max_in_flight = config.max_in_flight  # reduce-scatters left running before a hook waits
         infos = self.guard.params  # checked to agree across ranks, rank 0's values broadcast: core/model_guard.py
         self.flat_params: list[FlatParamLayout] = build_flat_params(infos, self.world_size, self.rank,
                                                                     config.bucket_numel, close_when_full=True)
@@ -117,8 +118,11 @@ class Zero1Engine(Checkpointing, Engine):
         """A bucket's gradients are all accumulated: reduce-scatter it now, while backward goes on (buckets are
         released in bucket order: the same collective sequence on every rank). The rank-average of this
         rank's range overwrites that range (the grad shard): core/engine.py `reduce_scatter_grad`."""
-        if self.reduce_scatter_grad(state).copied:
-            self.in_flight.wait_until(1)  # the CPU waits: at most two reduce-dtype copies alive
+        copied = self.reduce_scatter_grad(state).copied
+        # The CPU waits for the oldest: at most two reduce-dtype copies alive, and at most `max_in_flight` receive
+        # buffers (half a bucket each at N = 2, a bucket at 3+: core/ordered.py), which would otherwise pile up
+        # for as long as the process group's thread lags behind backward.
+        self.in_flight.wait_until(1 if copied else self.max_in_flight)
 
     # 3. finish backward ---------------------------------------------------------------
     def _on_backward_end(self) -> None:
