@@ -104,8 +104,9 @@ class UnitState(enum.Enum):
 
     SHARDED    flat_data storage is 0 bytes; the parameters are views of nothing usable.
     GATHERING  flat_data storage allocated, an all-gather into it in flight (a prefetch).
-    UNSHARDED  parameters usable; during backward also the unit's flat gradients, until each
-               one's reduce-scatter completes (the stage holds those).
+    UNSHARDED  parameters usable; during backward also autograd's gradients of the unit's
+               parameters, which the unit holds (`held`) until its backward is over and it is freed;
+               then they are packed and reduce-scattered (the stage holds those).
     """
 
     SHARDED = "sharded"
@@ -287,7 +288,7 @@ class Unit:
         self.reset_backward()
 
     def reset_backward(self) -> None:
-        self.pending_grads = self.num_trainable  # trainable flat params whose gradient is not reduced yet
+        self.pending_grads = self.num_trainable  # trainable flat params whose gradient is not complete yet
         self.pending_inputs = 0  # watched forward calls whose input gradient is not computed yet
         self.backward_started = False
         self.held = []
