@@ -41,9 +41,10 @@ Per-rank memory (Ψ parameters, up to padding < N elements per flat param):
   fp32 + Adam:       params 4Ψ/N + grads 4Ψ/N + optimizer_states 8Ψ/N                    = 16Ψ/N
   bf16/fp16 + Adam:  params 2Ψ/N + grads 2Ψ/N + master_params 4Ψ/N + optimizer_states 8Ψ/N = 16Ψ/N
   plus the working set: with reshard_after_forward=True at most root + (1 + prefetch) units of
-  parameters, and in backward the full gradients of the flat param being computed and of the one
-  being reduce-scattered (a unit called twice in one forward, or recomputed under activation
-  checkpointing, core/unit.py, stays gathered longer).
+  parameters, and in backward autograd's gradients of the unit whose backward is running, one unit's
+  full gradients while they are reduce-scattered (on CUDA, beside the next unit's backward) and the
+  root's (a unit called twice in one forward, or recomputed under activation checkpointing,
+  core/unit.py, stays gathered longer).
 
 Every rank must run the same units in the same order: checked, core/recorder.py [Note:
 rank-dependent units]. A method that runs the model without calling it (a PEFT `generate`) is registered with
