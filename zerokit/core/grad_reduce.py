@@ -57,7 +57,7 @@ zero_grad frees every grad shard (`drop_grad_shard`, as torch FSDP's zero_grad(s
 frees the sharded `.grad`s) and the first reduce-scatter of the next backward allocates it
 (`grad_shard`): backward's peak holds the grad shards of the buckets reduced so far, not all of
 them, which is what it is when the peak comes before the last bucket (GPT-2's tied embedding is
-reduced last; benchmarks/results/where_peak_stage2_124m.md). Meanwhile the params' `.grad` is
+reduced last; benchmarks/results/where_peak_stage2_124m_n2.md). Meanwhile the params' `.grad` is
 None, as in torch. A bucket no backward reached since zero_grad steps on zeros, as at stage 0
 (`grad_shards` allocates them), so the stages stay bitwise equal. What a rank holds after
 backward (the stages' formulas) is unchanged. Stage 1's grad shard is its range of the full

@@ -77,8 +77,8 @@ until the end of backward, reduces each flat param as it completes.
 How long they stay in flight depends on the device. On CUDA the collectives run on NCCL's stream and
 the CPU goes on to the next unit's backward, waiting for the unit before only when the next one is
 reduced: communication hides behind computation, for one unit's full gradients and receive buffers.
-On CPU the stage waits for them at once, as torch's FSDP1 and FSDP2 do on CPU (a blocking collective
-in the post-backward hook): a gloo collective competes with computation for the same cores, and the
+On CPU the stage waits for them at once, as torch's FSDP1 does on CPU (a blocking reduce-scatter in
+its post-backward hook): a gloo collective competes with computation for the same cores, and the
 overlap held a unit's gradient twice over beside the next unit's backward. The peaks before and after,
 beside FSDP1's: benchmarks/results/where_peak_stage3_unit_end.md and docs/scaling.md.
 """
