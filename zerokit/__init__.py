@@ -107,7 +107,7 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
           loss_scaler: dict | None = None, ordered_reduction: bool | None = None, comm: Comm | None = None,
           accumulate: str | None = None, max_in_flight: int = 2, cast_inputs: bool = True,
           debug: bool | None = None, reduction: str = "linear", shard_group_size: int | None = None,
-          broadcast_buffers: bool = True, **optimizer_kwargs):
+          broadcast_buffers: bool = True, param_init_fn=None, **optimizer_kwargs):
     """Wrap `model` for ZeRO stage `stage` (0 = DDP) and build its sharded optimizer.
 
     Every stage takes the same keywords (a stage ignores those it has no use for, such
@@ -160,6 +160,13 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     phase "buffers". Calling `model(x)` itself does not broadcast (as `ddp.module(x)`). False
     keeps each rank's buffers local, as DDP(broadcast_buffers=False). `torch.nn.SyncBatchNorm`
     synchronises its own statistics in its forward, at every stage as under DDP.
+    A model built on the meta device (`with torch.device("meta"): model = GPT(cfg)`, parameters and
+    buffers shapes only) is accepted at every stage: each rank makes one flat param (stage 3: one unit) of
+    values at a time and keeps what it owns, running each module's `reset_parameters()` and then
+    `param_init_fn(module)` (if given) for every module, children first, in the order an eager build and
+    `model.apply(param_init_fn)` run them, from rank 0's generator state: the same bits as the model built
+    eagerly on CPU after the same seed (core/materialize.py [Note: the same bits as an eager build]). A
+    parameter or buffer nothing initializes is refused, naming it, before anything is allocated.
     At construction every rank checks that every rank built the same model (parameters and
     buffers: names, shapes, dtypes, requires_grad) and, after rank 0's values are broadcast,
     holds the same bits, and raises on every rank naming the first difference otherwise; a model
@@ -178,7 +185,7 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
                          param_groups=param_groups, cast_inputs=cast_inputs,
                          accumulate=accumulate, max_in_flight=max_in_flight, wrap=wrap, prefetch=prefetch,
                          reshard_after_forward=reshard_after_forward, reduction=reduction,
-                         broadcast_buffers=broadcast_buffers)
+                         broadcast_buffers=broadcast_buffers, param_init_fn=param_init_fn)
     check_optimizer_kwargs(optimizer_cls, optimizer_kwargs, _SHARD_OPTIONS)
     policy = make_policy(precision, reduce_dtype=reduce_dtype)
     if loss_scaler is not None and not policy.uses_loss_scaler:

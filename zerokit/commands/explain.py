@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from zerokit import bench
+from zerokit.core.materialize import layout_only
 from zerokit.core.estimate import OPTIMIZER_STATE_BYTES, PRECISIONS, bytes_per_param, estimate
 
 
@@ -45,9 +46,10 @@ def layout_report(model_name: str, world_size: int, stage: int, bucket_numel: in
     if lora:
         zk.lora.inject(model, targets=("q", "v"), rank=8, alpha=1.0)
     kwargs = {} if bucket_numel is None else {"bucket_numel": bucket_numel}
-    engine = zk.shard(model, torch.optim.AdamW, stage=stage, precision=precision, wrap=(Block,), lr=1e-3,
-                      comm=zk.Comm(simulate=zk.Simulated(0, world_size)),
-                      param_groups=bench.no_decay if no_decay else None, **kwargs)
+    with layout_only():  # the layout alone: the meta-built model stays on meta (core/materialize.py)
+        engine = zk.shard(model, torch.optim.AdamW, stage=stage, precision=precision, wrap=(Block,), lr=1e-3,
+                          comm=zk.Comm(simulate=zk.Simulated(0, world_size)),
+                          param_groups=bench.no_decay if no_decay else None, **kwargs)
     unit_of = {}
     units = []
     for unit in getattr(engine, "units", None) or []:

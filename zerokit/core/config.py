@@ -72,6 +72,7 @@ class ShardConfig:
     reshard_after_forward: bool = True  # stage 3: free a unit's params between its forward and backward
     reduction: str = "linear"  # every stage: "tree" for world-size-independent bits (core/tree.py)
     broadcast_buffers: bool = True  # every stage: rank 0's buffers before each forward, as DDP (core/model_guard.py)
+    param_init_fn: Callable | None = None  # every stage: init of a meta-device model, per module (core/materialize.py)
 
     def __post_init__(self) -> None:
         _check_int("stage", self.stage, 0, 3)

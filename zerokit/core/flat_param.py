@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from zerokit.core.bucketing import plan_buckets
+from zerokit.core.materialize import deferred_of, is_deferred
 from zerokit.core.partition import FlatLayout
 from zerokit.core.user_grads import ShardedGrad
 
@@ -128,9 +129,18 @@ class FlatParamLayout:
         return flat_param, fp32
 
     def copy_params_into(self, flat: torch.Tensor) -> None:
-        """Write the parameters' current values into `flat` (padding stays zero)."""
-        for view, p in zip(self.views(flat), self.params):
-            view.copy_(p.detach())
+        """Write the parameters' current values into `flat` (padding stays zero).
+
+        A parameter built on the meta device gets its initialized values here, this flat param's alone
+        (core/materialize.py [Note: the same bits as an eager build]).
+        """
+        views = self.views(flat)
+        for view, p in zip(views, self.params):
+            if not is_deferred(p):
+                view.copy_(p.detach())
+        deferred = deferred_of(self.params)
+        if deferred is not None:
+            deferred.fill(self.params, views)
 
     def use_as_param_storage(self, flat: torch.Tensor) -> None:
         """Make every parameter's `.data` a view into `flat` (identity of the Parameter kept)."""

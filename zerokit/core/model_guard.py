@@ -60,6 +60,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from zerokit.core.flat_param import ParamInfo, is_packed, unique_params
+from zerokit.core.materialize import is_deferred
 
 _CHECKSUM_CHUNK = 1 << 20  # elements widened to int64 at a time when checksumming
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -109,11 +110,15 @@ def bits_checksum(t: torch.Tensor) -> torch.Tensor:
 class ModelGuard:
     """The model's agreement across ranks, its buffers' sync and its dtype/device guard (see the module notes)."""
 
-    def __init__(self, module: nn.Module, comm, stage: int, config):
+    def __init__(self, module: nn.Module, comm, stage: int, config, deferred=None):
         self.module, self.comm, self.stage = module, comm, stage
         self.broadcast_buffers = config.broadcast_buffers
         # Hybrid sharding: agreement and buffers concern every replica, so the whole world.
         self.world = getattr(comm, "world", comm)
+        # A meta-built model's parameters have no values yet: every rank computes rank 0's from the same
+        # generator state, so they are neither broadcast nor checksummed; the ranks agree instead on a digest
+        # of the init calls and what each wrote (core/materialize.py).
+        self.deferred_digest = deferred.digest if deferred is not None else 0
         self.params: list[ParamInfo] = self._check_signature(config.param_groups)
         broadcast_module_state(module, comm)
         self._check_values()
@@ -159,8 +164,10 @@ class ModelGuard:
         if not infos and not problems:
             problems.append("the model has no parameters")
         signature = ([("parameter", i.names[0], tuple(i.param.shape), str(i.param.dtype), i.param.requires_grad)
-                      for i in infos],
+                      + (("meta-built",) if is_deferred(i.param) else ()) for i in infos],
                      [("buffer", name, tuple(b.shape), str(b.dtype)) for name, b in unique_buffers(self.module)])
+        if self.deferred_digest:
+            signature[0].append(("init", "meta-device init", self.deferred_digest))
         if self._agree(_digest(signature), bool(problems), "the model check (names, shapes, dtypes)"):
             return infos
         everyone = self.world.all_gather_object((problems, signature), label="the model check (details)", phase="init")
@@ -176,7 +183,7 @@ class ModelGuard:
                          + "\n  ".join(errors))
 
     def _named_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
-        return ([("parameter", i.names[0], i.param) for i in self.params]
+        return ([("parameter", i.names[0], i.param) for i in self.params if not is_deferred(i.param)]
                 + [("buffer", name, b) for name, b in unique_buffers(self.module)])
 
     def _check_values(self) -> None:
@@ -291,6 +298,10 @@ def _first_difference(kind: str, mine: list[tuple], theirs: list[tuple], r: int)
     for a, b in zip(mine, theirs):
         if a == b:
             continue
+        if a[0] == "init" or b[0] == "init":
+            return (f"the meta-device initialization differs: rank {r}'s reset_parameters() / param_init_fn calls "
+                    "wrote other parameters or drew other random numbers than rank 0's (an init that depends on "
+                    "the rank, or a model built on meta on some ranks only?)")
         if b[1] not in names_mine:
             return f"{b[0]} {b[1]!r} (shape {b[2]}, {b[3]}) is on rank {r} but not on rank 0"
         if a[1] not in names_theirs:
@@ -308,7 +319,7 @@ def broadcast_module_state(module: nn.Module, comm) -> None:
     """Copy rank 0's parameters (frozen ones too) and buffers to every rank, as DDP does at construction."""
     seen = set()
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        if id(t) in seen or t.numel() == 0:
+        if id(t) in seen or t.numel() == 0 or is_deferred(t):  # values made on every rank: core/materialize.py
             continue
         seen.add(id(t))
         comm.broadcast(t.data, src=0, phase="init", label=name)

@@ -1,0 +1,81 @@
+"""A meta-built model on 2 gloo ranks: rank 0's eager values on every rank, then training as from the eager model.
+
+Rank 1 seeds differently on purpose: an eager model's values are broadcast from rank 0, and a meta-built one's
+are computed on every rank from rank 0's generator state (core/materialize.py), so both start from rank 0's
+eager bits. Then 3 AdamW steps at every stage equal the same stage's steps from the eager model, bit for bit
+(which tests/distributed/test_zero12.py and test_zero3.py tie to DDP). An init that differs between ranks is
+refused on every rank.
+"""
+import pytest
+import torch
+from torch import nn
+
+import zerokit as zk
+from zerokit.launch import run_ranks
+from zerokit.models import GPT, Block, preset
+
+STEPS = 3
+
+
+def _train(rank: int, stage: int, meta: bool) -> tuple[list[float], dict]:
+    torch.manual_seed(0 if not meta else rank)  # meta: rank 1's own seed must not matter
+    with torch.device("meta" if meta else "cpu"):
+        model = GPT(preset("tiny"))
+    engine = zk.shard(model, torch.optim.AdamW, stage=stage, wrap=(Block,), lr=1e-2,
+                      param_init_fn=GPT._init_weights if meta else None)
+    start = {k: v.clone() for k, v in engine.state_dict().items()}
+    g = torch.Generator().manual_seed(10 + rank)
+    losses = []
+    for _ in range(STEPS):
+        idx = torch.randint(0, model.cfg.vocab_size, (2, 8), generator=g)
+        _, loss = engine(idx, idx)
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    return losses, start, {k: v.clone() for k, v in engine.state_dict().items()}
+
+
+def _rank_dependent_init(rank: int) -> str:
+    def init(m):
+        if isinstance(m, nn.Linear) and rank == 1:
+            nn.init.zeros_(m.weight)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(preset("tiny"))
+    try:
+        zk.shard(model, torch.optim.SGD, stage=3, wrap=(Block,), lr=0.1, param_init_fn=init)
+    except ValueError as exc:
+        return str(exc)
+    return "not refused"
+
+
+def _cases(rank: int, world_size: int) -> dict:
+    out = {}
+    torch.manual_seed(0)
+    reference = {k: v.clone() for k, v in GPT(preset("tiny")).state_dict().items()}  # rank 0's eager build
+    for stage in (0, 1, 2, 3):
+        eager = _train(rank, stage, meta=False)
+        meta = _train(rank, stage, meta=True)
+        out[stage] = dict(
+            start_is_rank0_eager=all(torch.equal(meta[1][k], v) for k, v in reference.items()),
+            losses_equal=eager[0] == meta[0],
+            end_equal=all(torch.equal(eager[2][k], meta[2][k]) for k in eager[2]))
+    out["refusal"] = _rank_dependent_init(rank)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(_cases, 2, store_dir=str(tmp_path_factory.mktemp("rdzv")), timeout_s=240)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_meta_build_starts_from_rank0_and_trains_as_eager(results, stage):
+    for rank, result in enumerate(results):
+        assert result[stage] == dict(start_is_rank0_eager=True, losses_equal=True, end_equal=True), (rank, stage)
+
+
+def test_rank_dependent_init_is_refused_on_every_rank(results):
+    for result in results:
+        assert "the meta-device initialization differs: rank 1's" in result["refusal"], result["refusal"]
