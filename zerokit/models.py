@@ -200,6 +200,8 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt2-small": GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
     "gpt2-medium": GPTConfig(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
     "gpt2-xl": GPTConfig(vocab_size=50257, block_size=1024, n_layer=48, n_head=25, n_embd=1600),
+    # GPT-3 6.7B's shape (Brown et al. 2020, Table 2.1) with GPT-2's vocabulary and a tied head: Ψ = 6,658,404,352.
+    "gpt3-6.7b": GPTConfig(vocab_size=50257, block_size=2048, n_layer=32, n_head=32, n_embd=4096),
 }
 
 

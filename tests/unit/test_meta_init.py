@@ -3,7 +3,7 @@
 Each case seeds, builds the model eagerly and reads its state and the generator afterwards; seeds again,
 builds it under `torch.device("meta")`, wraps it with zk.shard (no process group) and compares
 `engine.state_dict()` and the next random draw: both must be bitwise equal, at every stage. The 2-rank
-cases (training after a meta build, rank 0's values on every rank) are tests/distributed/test_meta_init.py.
+cases (training after a meta build, rank 0's values on every rank) are tests/distributed/test_meta_init_ranks.py.
 """
 import pytest
 import torch

@@ -40,14 +40,18 @@ def test_num_params_equals_module_parameter_count(cfg: GPTConfig) -> None:
     assert num_params(cfg) == sum(p.numel() for p in GPT(cfg).parameters())
 
 
-@pytest.mark.parametrize("name, millions", [("gpt2-small", 124), ("gpt2-medium", 355), ("gpt2-xl", 1558)])
+@pytest.mark.parametrize("name, millions", [("gpt2-small", 124), ("gpt2-medium", 355), ("gpt2-xl", 1558),
+                                            ("gpt3-6.7b", 6658)])
 def test_gpt2_presets_have_published_sizes(name: str, millions: int) -> None:
-    """GPT-2 shapes give the published 124M / 355M / 1558M, analytically and as built on the meta device."""
+    """GPT-2 shapes give the published 124M / 355M / 1558M, analytically and as built on the meta device; the
+    GPT-3 6.7B shape (GPT-2's vocabulary, tied head) 6,658,404,352."""
     cfg = preset(name)
     with torch.device("meta"):  # shapes only, no memory
         built = sum(p.numel() for p in GPT(cfg).parameters())
     assert built == num_params(cfg)
     assert round(num_params(cfg) / 1e6) == millions
+    if name == "gpt3-6.7b":
+        assert num_params(cfg) == 6_658_404_352
 
 
 def test_lm_head_weight_is_wte_weight() -> None:

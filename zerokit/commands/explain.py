@@ -153,7 +153,7 @@ def render(report: dict) -> list[str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from zerokit.cli import positive_int
 
-    p.add_argument("--model", required=True, help="model preset (tiny, small, gpt2-small, gpt2-medium, gpt2-xl)")
+    p.add_argument("--model", required=True, help="model preset (tiny, small, gpt2-small, gpt2-medium, gpt2-xl, gpt3-6.7b)")
     p.add_argument("--world-size", type=positive_int, required=True, metavar="N", help="number of ranks N (>= 1)")
     p.add_argument("--stage", type=int, required=True, choices=(0, 1, 2, 3))
     p.add_argument("--bucket-numel", type=positive_int, default=None, metavar="K",

@@ -167,7 +167,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--params", type=parse_count, metavar="P",
                       help="parameter count Ψ, e.g. 7.5e9 or 7.5B")
     what.add_argument("--model", metavar="NAME",
-                      help="take Ψ from a models.py preset (tiny, small, gpt2-small, gpt2-medium, gpt2-xl)")
+                      help="take Ψ from a models.py preset (tiny, small, gpt2-small, gpt2-medium, gpt2-xl, gpt3-6.7b)")
     parser.add_argument("--world-size", type=positive_int, required=True, metavar="N", help="number of ranks N (>= 1)")
     parser.add_argument("--shard-group-size", type=positive_int, metavar="S",
                         help="hybrid sharding: stages 1-3 shard within groups of S ranks (e.g. the GPUs per node) "
@@ -195,49 +195,95 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --simulate: tokens in the one training sequence (default 8)")
     parser.add_argument("--device", default=None,
                         help="with --simulate: where the model lives (default cuda if available, else cpu)")
+    parser.add_argument("--build", choices=("meta", "eager"), default="meta",
+                        help="with --simulate: build the model on the meta device and let zk.shard initialize it one "
+                             "unit at a time (meta, the default), or build it whole first (eager)")
 
 
 def simulate_rank(model: "str | GPTConfig", world_size: int, stage: int, precision: str = "bf16", optimizer: str = "adam",
                   rank: int = 0, seq_len: int = 8, device: str | None = None, bucket_numel: int | None = None,
-                  lora: bool = False) -> dict[str, Any]:
+                  lora: bool = False, build: str = "meta") -> dict[str, Any]:
     """Build `model` (a preset name or a GPTConfig), wrap it as `rank` of a simulated world of `world_size`, train one step, measure.
 
     Returns `core.ledger.ledger(...)` (measured and predicted bytes per category, relative errors,
-    configuration) plus "seconds" (wall time of the whole measurement) and "device". Activations
-    are measured around the forward and backward (saved tensors on CPU, the allocator on CUDA)
-    and predicted with `activation_bytes_estimate`.
+    configuration) plus "seconds" (wall time of the whole measurement), "device" and "phases": the
+    process's peak memory in each phase ("build": constructing the model and zk.shard; "step": one
+    forward, backward and optimizer step), measured by `core.ledger.PeakMeter`, beside the bound
+    `phase_bound` computes. `build="meta"` (the default) builds the model on the meta device and lets
+    zk.shard initialize it one flat param at a time (core/materialize.py); "eager" builds it whole
+    first, as a user without meta-device init would (LoRA needs "eager": its adapters are drawn after
+    the base model's init, which a meta build cannot replay). Activations are measured around the
+    forward and backward (saved tensors on CPU, the allocator on CUDA) and predicted with
+    `activation_bytes_estimate`.
     """
     import torch
 
     import zerokit as zk
-    from zerokit.core.ledger import ActivationMeter, ledger
-    from zerokit.models import Block, build_model, preset
+    from zerokit.core.ledger import ActivationMeter, PeakMeter, ledger
+    from zerokit.models import GPT, Block, build_model, preset
 
     cfg = preset(model) if isinstance(model, str) else model
     if not 1 <= seq_len <= cfg.block_size:
         raise ValueError(f"seq_len must be in [1, {cfg.block_size}] for model {model!r}, got {seq_len}")
+    if build not in ("meta", "eager"):
+        raise ValueError(f"build must be 'meta' or 'eager', got {build!r}")
+    if lora and build == "meta":
+        raise ValueError("--lora needs --build eager: LoRA's adapters are drawn after the base model's init")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
-    net = build_model(cfg).to(device)
-    if lora:
-        zk.lora.inject(net, targets=("q", "v"), rank=8, alpha=1.0)
     optimizer_cls, kwargs = optimizer_for(optimizer)
     comm = zk.Comm(simulate=zk.Simulated(rank, world_size))
     shard_kwargs = {} if bucket_numel is None else {"bucket_numel": bucket_numel}
-    engine = zk.shard(net, optimizer_cls, stage=stage, precision=precision, comm=comm, wrap=(Block,),
-                      **shard_kwargs, **kwargs)
+    meter = PeakMeter(device)
+    with meter.phase("build"):
+        if build == "meta":
+            with torch.random.fork_rng(devices=[]):  # the seed build_model uses; the caller's generator untouched
+                torch.manual_seed(0)
+                with torch.device("meta"):
+                    net = GPT(cfg)
+                engine = zk.shard(net, optimizer_cls, stage=stage, precision=precision, comm=comm, wrap=(Block,),
+                                  param_init_fn=GPT._init_weights, **shard_kwargs, **kwargs)
+        else:
+            net = build_model(cfg).to(device)
+            if lora:
+                zk.lora.inject(net, targets=("q", "v"), rank=8, alpha=1.0)
+            engine = zk.shard(net, optimizer_cls, stage=stage, precision=precision, comm=comm, wrap=(Block,),
+                              **shard_kwargs, **kwargs)
     gen = torch.Generator().manual_seed(rank)
     x, y = (torch.randint(cfg.vocab_size, (1, seq_len), generator=gen).to(device) for _ in range(2))
-    with ActivationMeter(exclude=net) as meter:
-        _, loss = engine(x, y)
-        engine.backward(loss)
-    engine.step()
+    with meter.phase("step"):
+        with ActivationMeter(exclude=net) as activations:
+            _, loss = engine(x, y)
+            engine.backward(loss)
+        engine.step()
     predicted_activations = activation_bytes_estimate(cfg, 1, precision, seq_len=seq_len)
-    out = ledger(engine, activation_bytes=meter.peak_bytes, predicted_activations=predicted_activations)
+    out = ledger(engine, activation_bytes=activations.peak_bytes, predicted_activations=predicted_activations)
     out["seconds"] = time.perf_counter() - start
     out["device"] = str(device)
-    out["config"].update(model=model if isinstance(model, str) else repr(model), seq_len=seq_len, simulated=True)
+    out["config"].update(model=model if isinstance(model, str) else repr(model), seq_len=seq_len, simulated=True,
+                         build=build)
+    bound = phase_bound(out, cfg, stage, precision, meter.baseline)
+    out["phases"] = {"baseline_bytes": meter.baseline, "bound_bytes": bound, "measured_by": (
+        "CUDA allocator peak" if meter.cuda else "resident set high-water mark (VmHWM)"),
+        "peaks": {name: {"peak_bytes": peak, "ratio_to_bound": peak / bound, "seconds": meter.seconds[name]}
+                  for name, peak in meter.peaks.items()}}
     return out
+
+
+def phase_bound(result: dict[str, Any], cfg, stage: int, precision: str, baseline: int) -> int:
+    """What a rank may hold at its peak in any phase: the process baseline + the model states (formula) + at
+    stage 3 the working set of gathered units (`zero3_working_set_bytes`: the root and 1 + prefetch blocks,
+    their params and grads, and two more (V, d) gradients of the tied head) + the predicted activations. Stages 1-2 hold their full params among the model
+    states, and their gradient buckets in flight are not in it."""
+    predicted = result["predicted"]
+    states = sum(predicted[c] or 0 for c in ("params", "grads", "master_params", "optimizer_states"))
+    working = 0
+    if stage == 3:
+        # The tied embedding/head's gradient: autograd holds the head's (V, d) gradient, then the embedding's
+        # dense one and their sum, three at once, where the working set counts one.
+        e = 4 if precision == "fp32" else 2
+        working = zero3_working_set_bytes(cfg, precision) + 2 * cfg.vocab_size * cfg.n_embd * e
+    return baseline + states + working + (predicted.get("activations") or 0)
 
 
 def optimizer_for(name: str) -> tuple[type, dict]:
@@ -272,6 +318,20 @@ def render_ledger(result: dict[str, Any], unit: str) -> list[str]:
     return [fmt(headers), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows]
 
 
+def render_phases(phases: dict[str, Any], unit: str) -> list[str]:
+    """The peak of each phase beside the bound, one row per phase."""
+    if not phases["peaks"]:
+        return ["(per-phase peaks: not measurable on this platform)"]
+    bound = phases["bound_bytes"]
+    lines = [f"per-phase peak ({phases['measured_by']}; process baseline {format_in(phases['baseline_bytes'], unit)} "
+             f"{unit}) beside the bound = baseline + model states + stage-3 working set + activations = "
+             f"{format_in(bound, unit)} {unit}:"]
+    for name, row in phases["peaks"].items():
+        lines.append(f"  {name:<6} {format_in(row['peak_bytes'], unit):>10} {unit}  {row['ratio_to_bound']:.2f} x bound"
+                     f"  ({row['seconds']:.1f} s)")
+    return lines
+
+
 def _shard_group_size(args: argparse.Namespace) -> int:
     """S from --shard-group-size (default: --world-size), refused in one line unless it divides N."""
     try:
@@ -291,7 +351,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     simulated_world = shard_ranks if args.stage >= 1 else args.world_size
     try:
         result = simulate_rank(args.model, simulated_world, args.stage, args.precision, args.optimizer,
-                               seq_len=args.seq_len, device=args.device)
+                               seq_len=args.seq_len, device=args.device, build=args.build)
     except ValueError as err:
         raise SystemExit(f"zerokit memory --simulate: {err}") from None
     cfg = result["config"]
@@ -312,6 +372,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(line)
     print(f"formula: {per_rank_formula(args.stage, args.precision, cfg['optimizer'])} per rank (model states); "
           f"activations predicted by activation_bytes_estimate; {result['seconds']:.1f} s")
+    for line in render_phases(result["phases"], unit):
+        print(line)
     if shard_ranks != args.world_size:
         per = bytes_per_param(args.precision, cfg["optimizer"])
         sent = comm_bytes_by_group(cfg["num_params"], args.stage, per.params, per.grads, args.world_size,

@@ -386,7 +386,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=parse_count, metavar="P", help="parameter count Ψ, e.g. 7.5e9 or 7.5B")
     what.add_argument("--model", metavar="NAME",
-                      help="a models.py preset (tiny, small, gpt2-small, gpt2-medium, gpt2-xl): Ψ and shape")
+                      help="a models.py preset (tiny, small, gpt2-small, gpt2-medium, gpt2-xl, gpt3-6.7b): Ψ and shape")
     parser.add_argument("--gpus", type=positive_int, required=True, metavar="G", help="number of GPUs (>= 1)")
     parser.add_argument("--nodes", type=positive_int, default=1, metavar="K",
                         help="the --gpus GPUs sit on K nodes, G/K each (default 1); with K > 1 the plan weighs "

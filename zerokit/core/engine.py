@@ -50,7 +50,6 @@ from zerokit.core.config import ShardConfig
 from zerokit.core.flat_param import FlatParamState
 from zerokit.core.grad_reduce import GradPath, GradReduction
 from zerokit.core import preemption
-from zerokit.core.materialize import DeferredInit, init_device
 from zerokit.core.model_guard import ModelGuard
 from zerokit.core.precision import LossScaler, PrecisionPolicy, cast_floating_tensors
 from zerokit.core.tree import PartialSums, exact_square_sum, norm_from_square_sum
@@ -79,11 +78,9 @@ class Engine(GradPath, UserGrads):
         self.sync_gradients = True  # False inside no_sync(): accumulate locally, no communication
         # Ranks agree on the model and hold rank 0's values, or every rank raises; then buffers are kept as
         # DDP keeps them and a model changed under the engine is refused (core/model_guard.py).
-        # A model built on the meta device: how each parameter gets its values, which each stage's flattening
-        # then produces one flat param at a time (core/materialize.py); None for a model already real.
-        self.deferred = DeferredInit.prepare(module, config.param_init_fn, getattr(comm, "world", comm),
-                                             init_device(comm))
-        self.guard = ModelGuard(module, comm, self.stage, config, self.deferred)
+        # A model built on the meta device gets its values as each stage lays it out, one flat param at a time
+        # (core/materialize.py), after the guard has checked that every rank built it so.
+        self.guard = ModelGuard(module, comm, self.stage, config)
         # bf16/fp16: floating-point forward inputs are cast to the param dtype (None: no cast).
         self.input_dtype = policy.param_dtype if config.cast_inputs and policy.needs_master else None
         # Set by clip_grad_norm_, handed to the next optimizer step, forgotten by zero_grad.

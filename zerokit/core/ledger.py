@@ -222,3 +222,83 @@ def ledger(engine: Any, activation_bytes: int | None = None, predicted_activatio
     if specs:
         config["quantize"] = quant["quantize"]
     return {"measured": measured, "predicted": predicted, "relative_error": errors, "config": config}
+
+
+class PeakMeter:
+    """The process's peak memory over each phase of a run: `with meter.phase("build"): ...`, then `meter.peaks`.
+
+    On CPU the kernel's resident-set high-water mark (VmHWM in /proc/self/status), reset at the start of
+    each phase by writing "5" to /proc/self/clear_refs, so a phase's peak is its own and includes
+    everything resident (the interpreter, torch, allocator slack); `baseline` is the resident set when the
+    meter was made. On CUDA the caching allocator's peak of allocated bytes (torch.cuda.reset_peak_memory_stats).
+    Where neither is available (not Linux), `available` is False and phases record nothing.
+    """
+
+    def __init__(self, device: Any = "cpu") -> None:
+        import torch
+        self.cuda = str(device).startswith("cuda")
+        self._torch = torch
+        self.available = self.cuda or _read_status("VmRSS") is not None
+        if self.available and not self.cuda:
+            _mmap_large_allocations()
+        self.peaks: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}  # each phase's wall time
+        self.baseline = self.current() if self.available else 0
+
+    def current(self) -> int:
+        if self.cuda:
+            return self._torch.cuda.memory_allocated()
+        return _read_status("VmRSS") or 0
+
+    def _reset(self) -> None:
+        if self.cuda:
+            self._torch.cuda.reset_peak_memory_stats()
+            return
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+    def _peak(self) -> int:
+        return self._torch.cuda.max_memory_allocated() if self.cuda else (_read_status("VmHWM") or 0)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        import time
+        start = time.perf_counter()
+        if not self.available:
+            yield
+            return
+        self._reset()
+        try:
+            yield
+        finally:
+            self.peaks[name] = self._peak()
+            self.seconds[name] = time.perf_counter() - start
+
+
+def _mmap_large_allocations(threshold: int = 1 << 20) -> None:
+    """glibc: serve every allocation of `threshold` bytes or more with its own mmap, unmapped when freed.
+
+    By default glibc raises that threshold (up to 32 MiB) each time a large block is freed, after which
+    tensors of a few MiB (a unit's weights) come from the heap, whose freed pages stay resident: the RSS
+    peak would then count memory no tensor holds. Fixing the threshold keeps the high-water mark close
+    to the peak of live tensors (the same effect as MALLOC_MMAP_THRESHOLD_=1048576 in the environment).
+    """
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def _read_status(field: str) -> int | None:
+    """A memory field of /proc/self/status in bytes (it is given in kB), None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -284,7 +284,9 @@ class DeferredInit:
                 mod._buffers[key] = b.to(self.device)
 
     def _names_of(self, ids: set[int]) -> list[str]:
-        return [n for n, p in self.module.named_parameters() if id(p) in ids]
+        if not hasattr(self, "_name_of"):
+            self._name_of = {id(p): n for n, p in self.module.named_parameters()}
+        return sorted(self._name_of[i] for i in ids)
 
     def _run(self, m: nn.Module, fn, rng: torch.Tensor | None, targets: dict[int, nn.Parameter] | None,
              tries: tuple[bool, ...]) -> tuple[set[int], bool]:
@@ -363,7 +365,9 @@ class DeferredInit:
         wanted = {id(self.originals[id(p)]): (p, v) for p, v in zip(params, views) if is_deferred(p)}
         if not wanted:
             return
-        targets = {i: nn.Parameter(_sentinel(p.shape, p.dtype), p.requires_grad) for i, (p, _) in wanted.items()}
+        # Each call writes straight into the flat param's view when the dtypes agree (no second copy of the unit).
+        targets = {i: nn.Parameter(view if view.dtype == p.dtype else _sentinel(p.shape, p.dtype), p.requires_grad)
+                   for i, (p, view) in wanted.items()}
         restore = self._show_originals()
         try:
             with torch.no_grad():
@@ -371,7 +375,8 @@ class DeferredInit:
                     if call.wrote & wanted.keys():
                         self._run(call.module, call.fn, call.rng, targets, tries=(call.subtree,))
                 for i, (p, view) in wanted.items():
-                    view.copy_(targets[i].detach())
+                    if targets[i].data_ptr() != view.data_ptr():
+                        view.copy_(targets[i].detach())
         finally:
             for mod, key, t in restore:
                 mod._parameters[key] = t

@@ -60,7 +60,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from zerokit.core.flat_param import ParamInfo, is_packed, unique_params
-from zerokit.core.materialize import is_deferred
+from zerokit.core.materialize import DeferredInit, init_device, is_deferred
 
 _CHECKSUM_CHUNK = 1 << 20  # elements widened to int64 at a time when checksumming
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -110,16 +110,19 @@ def bits_checksum(t: torch.Tensor) -> torch.Tensor:
 class ModelGuard:
     """The model's agreement across ranks, its buffers' sync and its dtype/device guard (see the module notes)."""
 
-    def __init__(self, module: nn.Module, comm, stage: int, config, deferred=None):
+    def __init__(self, module: nn.Module, comm, stage: int, config):
         self.module, self.comm, self.stage = module, comm, stage
         self.broadcast_buffers = config.broadcast_buffers
         # Hybrid sharding: agreement and buffers concern every replica, so the whole world.
         self.world = getattr(comm, "world", comm)
-        # A meta-built model's parameters have no values yet: every rank computes rank 0's from the same
-        # generator state, so they are neither broadcast nor checksummed; the ranks agree instead on a digest
-        # of the init calls and what each wrote (core/materialize.py).
-        self.deferred_digest = deferred.digest if deferred is not None else 0
         self.params: list[ParamInfo] = self._check_signature(config.param_groups)
+        # A meta-built model (the signature says which parameters are on meta, so every rank agrees it is one)
+        # gets placeholders now and its values as each stage lays it out: every rank computes rank 0's from
+        # rank 0's generator state, so they are neither broadcast nor checksummed; the ranks agree instead on
+        # a digest of the init calls and what each wrote (core/materialize.py).
+        self.deferred = self._prepare_deferred(config)
+        if self.deferred is not None:
+            self.params = unique_params(module, config.param_groups)  # the placeholders, not the meta Parameters
         broadcast_module_state(module, comm)
         self._check_values()
         self._check_trainable()
@@ -164,10 +167,9 @@ class ModelGuard:
         if not infos and not problems:
             problems.append("the model has no parameters")
         signature = ([("parameter", i.names[0], tuple(i.param.shape), str(i.param.dtype), i.param.requires_grad)
-                      + (("meta-built",) if is_deferred(i.param) else ()) for i in infos],
-                     [("buffer", name, tuple(b.shape), str(b.dtype)) for name, b in unique_buffers(self.module)])
-        if self.deferred_digest:
-            signature[0].append(("init", "meta-device init", self.deferred_digest))
+                      + (("on meta",) if i.param.is_meta else ()) for i in infos],
+                     [("buffer", name, tuple(b.shape), str(b.dtype)) + (("on meta",) if b.is_meta else ())
+                      for name, b in unique_buffers(self.module)])
         if self._agree(_digest(signature), bool(problems), "the model check (names, shapes, dtypes)"):
             return infos
         everyone = self.world.all_gather_object((problems, signature), label="the model check (details)", phase="init")
@@ -181,6 +183,29 @@ class ModelGuard:
                     break
         raise ValueError(f"zerokit stage {self.stage}: cannot wrap this model (raised on rank {self.world.rank}):\n  "
                          + "\n  ".join(errors))
+
+    def _prepare_deferred(self, config):
+        """core/materialize.py's DeferredInit for a meta-built model (None otherwise), agreed by every rank.
+
+        Every rank holds the same signature by now, so every rank or none prepares; a refusal (something
+        nothing initializes, an init function that raised) on any rank is raised on every rank."""
+        deferred, error = None, None
+        try:
+            deferred = DeferredInit.prepare(self.module, config.param_init_fn, self.world, init_device(self.comm))
+        except Exception as exc:  # an init that fails on one rank must not leave the others waiting
+            error = exc
+        if deferred is None and error is None:
+            return None
+        if self._agree(deferred.digest if deferred is not None else 0, error is not None,
+                       "the meta-device init (its calls and what each wrote)"):
+            return deferred
+        if error is not None:
+            raise error
+        raise ValueError(
+            f"zerokit stage {self.stage}: cannot wrap this model (raised on rank {self.world.rank}): the meta-device "
+            "initialization differs between ranks, or failed on another rank (its error is raised there): every "
+            "rank's reset_parameters() / param_init_fn calls must write the same parameters and draw the same "
+            "random numbers (an init that depends on the rank?)")
 
     def _named_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
         return ([("parameter", i.names[0], i.param) for i in self.params if not is_deferred(i.param)]
@@ -298,10 +323,6 @@ def _first_difference(kind: str, mine: list[tuple], theirs: list[tuple], r: int)
     for a, b in zip(mine, theirs):
         if a == b:
             continue
-        if a[0] == "init" or b[0] == "init":
-            return (f"the meta-device initialization differs: rank {r}'s reset_parameters() / param_init_fn calls "
-                    "wrote other parameters or drew other random numbers than rank 0's (an init that depends on "
-                    "the rank, or a model built on meta on some ranks only?)")
         if b[1] not in names_mine:
             return f"{b[0]} {b[1]!r} (shape {b[2]}, {b[3]}) is on rank {r} but not on rank 0"
         if a[1] not in names_theirs:

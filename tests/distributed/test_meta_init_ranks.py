@@ -78,4 +78,4 @@ def test_meta_build_starts_from_rank0_and_trains_as_eager(results, stage):
 
 def test_rank_dependent_init_is_refused_on_every_rank(results):
     for result in results:
-        assert "the meta-device initialization differs: rank 1's" in result["refusal"], result["refusal"]
+        assert "the meta-device initialization differs between ranks" in result["refusal"], result["refusal"]
