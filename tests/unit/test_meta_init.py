@@ -182,3 +182,11 @@ def test_uninitialized_fixed_by_param_init_fn_or_a_real_buffer():
 def test_param_init_fn_on_a_real_model_is_refused():
     with pytest.raises(ValueError, match="no parameter or buffer of this model is on meta"):
         zk.shard(nn.Linear(3, 3), torch.optim.SGD, lr=0.1, param_init_fn=_init_block)
+
+
+def test_lora_on_a_meta_model_is_refused_naming_the_fix():
+    with torch.device("meta"):
+        model = _gpt()
+    zk.lora.inject(model, targets=("q", "v"), rank=2)
+    with pytest.raises(ValueError, match="lora_A.*inject them into a model built eagerly"):
+        zk.shard(model, torch.optim.SGD, stage=3, wrap=(Block,), lr=0.1, param_init_fn=GPT._init_weights)

@@ -278,7 +278,10 @@ class DeferredInit:
             raise ValueError(f"zk.shard: {shown} {'was' if one else 'were'} built on the meta device and nothing gave "
                              f"{'it' if one else 'them'} values: {INIT_FIX}. A buffer computed in __init__ can instead "
                              "be made on a real device inside `with torch.device('meta'):` by passing device='cpu' to "
-                             "the call that creates it")
+                             "the call that creates it"
+                             + (". LoRA adapters (zk.lora.inject) are drawn after the base model's init, which a "
+                                "meta build cannot replay: inject them into a model built eagerly"
+                                if any("lora_" in m for m in missing) else ""))
         for mod, kind, key, b in list(self._slots(self.module, True)):
             if kind == "_buffers" and id(b) in made and b.device != self.device:
                 mod._buffers[key] = b.to(self.device)
