@@ -92,11 +92,14 @@ class Zero2Engine(Checkpointing, Engine):
                                                                     config.bucket_numel)
         self.flat_data: list[torch.Tensor] = []  # (padded_numel,) param dtype, one per bucket
         self.states = [FlatParamState(fp) for fp in self.flat_params]  # each bucket's gradients, by index
-        fp32_values = []  # (padded_numel,) fp32 each, construction only: what the masters start from
+        fp32_values = []  # (shard_numel,) fp32 each, construction only: what this rank's masters start from
         for fp in self.flat_params:
             data, fp32 = fp.flatten_params(policy.param_dtype)  # bf16/fp16 params (frozen too) when mixed
             self.flat_data.append(data)
-            fp32_values.append(fp32)
+            # this rank's range alone, so that no full fp32 copy of the model outlives its bucket (under fp32
+            # `fp32` is the flat buffer itself: a view costs nothing)
+            fp32_values.append(None if not fp.requires_grad else fp.shard_of(fp32) if fp32 is data
+                               else fp.shard_of(fp32).clone())
         self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
         for fp in self.flat_params:  # (padded_numel,) full gradients: None except while a bucket is accumulated
             # or reduce-scattered (or kept by no_sync under accumulate="local"); made by core/user_grads.py
@@ -107,7 +110,7 @@ class Zero2Engine(Checkpointing, Engine):
             optimizer_cls, optimizer_kwargs,
             param_shards=[fp.shard_of(self.flat_data[fp.index]) for fp in self.trainable],  # views: updated in place
             options=[fp.options for fp in self.trainable], policy=policy, comm=comm, scaler=scaler,
-            master_init=[fp.shard_of(fp32_values[fp.index]) for fp in self.trainable])
+            master_init=[fp32_values[fp.index] for fp in self.trainable])
         del fp32_values
         self.tracker = GradReadyTracker(self.flat_params, self._on_grads_ready, self._on_backward_end,
                                         on_first_grad=self._on_first_grad)
