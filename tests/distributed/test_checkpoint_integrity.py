@@ -174,28 +174,21 @@ class _Markers:
 
 
 def _fail_after_others_wrote(rank, world_size, failing_rank, markers, action):
-    """Patches for one save: every rank but `failing_rank` signals once its last file is written (rank 0's last
-    is the model file); `failing_rank` waits for all of them, then calls `action` (raise, or os._exit) instead of
-    writing its rank file."""
+    """Patches for one save: every rank but `failing_rank` signals once its last file is written (its rank file:
+    rank 0 streams the model file before it); `failing_rank` waits for all of them, then calls `action` (raise, or
+    os._exit) instead of writing its rank file."""
     others = [f"wrote-{r}" for r in range(world_size) if r != failing_rank]
-    write_rank, write_model = commit._write_rank_file, commit._write_model_file
+    write_rank = commit._write_rank_file
 
     def rank_file(*args, **kwargs):
         if rank == failing_rank:
             markers.wait(others)
             action()
         record = write_rank(*args, **kwargs)
-        if rank != 0:
-            markers.signal(f"wrote-{rank}")
+        markers.signal(f"wrote-{rank}")
         return record
 
-    def model_file(*args, **kwargs):
-        record = write_model(*args, **kwargs)
-        markers.signal("wrote-0")
-        return record
-
-    return [mock.patch.object(commit, "_write_rank_file", rank_file),
-            mock.patch.object(commit, "_write_model_file", model_file)]
+    return [mock.patch.object(commit, "_write_rank_file", rank_file)]
 
 
 def _save_with(patches, engine, directory, **kwargs):
@@ -225,10 +218,10 @@ def _save_failures(rank, world_size, source, scratch, expected):
         patches = _fail_after_others_wrote(rank, world_size, failing, _Markers(markers), _raise_oserror)
         out[failing] = dict(error=_save_with(patches, engine, directory))
         out[failing].update(_after_failed_save(rank, directory, expected))
-    # a write that fails inside safetensors on the last rank: the error names that rank and its file
+    # a write that fails inside the file writer on the last rank: the error names that rank and its file
     directory = os.path.join(scratch, "permission")
     _on_rank0(rank, lambda: _copy(source, directory))
-    denied = mock.patch.object(commit, "save_file", side_effect=PermissionError(13, "Permission denied"))
+    denied = mock.patch.object(commit.SafetensorsWriter, "write", side_effect=PermissionError(13, "Permission denied"))
     out["permission"] = dict(error=_save_with([denied] if rank == world_size - 1 else [], engine, directory))
     out["permission"].update(_after_failed_save(rank, directory, expected))
     # the directory is a regular file: rank 0 cannot create the snapshot
@@ -371,14 +364,14 @@ def _cases_ws2(rank, world_size, root):
 # other rank has written its files; "commit": after meta.json, before current.json is replaced;
 # "cleanup": after the commit, before the previous snapshot is removed.
 CRASHES = {
-    "c1": (2, 0, "write"),  # rank 0 dies after rank 1 has written its rank file
+    "c1": (2, 0, "write"),  # rank 0 dies after the model file and rank 1's rank file are written
     "c2": (2, 1, "write"),  # rank 1 dies after rank 0 has written its rank file and the model file
     "c3": (3, 0, "commit"),  # the new snapshot is complete, but never committed
     "c4": (2, 0, "cleanup"),  # committed: the load gives the new checkpoint
 }
 # what the crashed snapshot holds besides what the pointer names
 CRASH_LEFTOVER = {
-    "c1": ["rank1-of-2.safetensors"],
+    "c1": ["model.safetensors", "rank1-of-2.safetensors"],
     "c2": ["model.safetensors", "rank0-of-2.safetensors"],
     "c3": ["meta.json", "model.safetensors", "rank0-of-3.safetensors", "rank1-of-3.safetensors",
            "rank2-of-3.safetensors"],
