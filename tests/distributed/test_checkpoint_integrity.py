@@ -224,6 +224,12 @@ def _save_failures(rank, world_size, source, scratch, expected):
     denied = mock.patch.object(commit.SafetensorsWriter, "write", side_effect=PermissionError(13, "Permission denied"))
     out["permission"] = dict(error=_save_with([denied] if rank == world_size - 1 else [], engine, directory))
     out["permission"].update(_after_failed_save(rank, directory, expected))
+    # rank 0's model file fails at its first tensor: the other ranks still finish the gathers, then all raise
+    directory = os.path.join(scratch, "model-file")
+    _on_rank0(rank, lambda: _copy(source, directory))
+    full = mock.patch.object(commit.SafetensorsWriter, "write", side_effect=OSError(28, "No space left on device"))
+    out["model_file"] = dict(error=_save_with([full] if rank == 0 else [], engine, directory))
+    out["model_file"].update(_after_failed_save(rank, directory, expected))
     # the directory is a regular file: rank 0 cannot create the snapshot
     not_a_dir = os.path.join(scratch, "not-a-directory")
     _on_rank0(rank, lambda: open(not_a_dir, "w").close())
@@ -604,9 +610,9 @@ def test_next_successful_save_removes_what_crashed_saves_left(ws3):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_save_failing_on_one_rank_raises_on_every_rank_and_keeps_the_previous_checkpoint(request, world_size):
-    """Each rank in turn fails after every other rank wrote its files, and one rank's file write is denied:
-    ValueError on every rank naming the failing rank (and the file); the half-written snapshot is removed and
-    the previous checkpoint loads bit for bit."""
+    """Each rank in turn fails after every other rank wrote its files, one rank's file write is denied, and rank
+    0's model file fails while every rank gathers for it: ValueError on every rank naming the failing rank (and
+    the file); the half-written snapshot is removed and the previous checkpoint loads bit for bit."""
     outs = _spawn(request, world_size)
     for r, out in enumerate(outs):
         f = out["failures"]
@@ -620,6 +626,9 @@ def test_save_failing_on_one_rank_raises_on_every_rank_and_keeps_the_previous_ch
         assert denied is not None and f"rank {world_size - 1}: OSError" in denied, denied
         assert f"rank{world_size - 1}-of-{world_size}.safetensors" in denied and "Permission denied" in denied, denied
         assert f["permission"]["mismatch"] == [] and f["permission"]["listing"] == expected_listing, f["permission"]
+        streamed = f["model_file"]["error"]  # raised while the other ranks gathered: they finished, then raised
+        assert streamed is not None and "rank 0: OSError" in streamed and "model.safetensors" in streamed, streamed
+        assert f["model_file"]["mismatch"] == [] and f["model_file"]["listing"] == expected_listing, f["model_file"]
         nd = f["not_a_directory"]["error"]
         assert nd is not None and "rank 0:" in nd and "not-a-directory" in nd, nd
 
