@@ -100,17 +100,34 @@ small GPT on `--nproc` gloo ranks (fp32 and bf16), then one process playing rank
 MLP 11008, 32 heads, vocabulary 32000; transformers' LlamaForCausalLM built locally, bf16, LoRA on
 q_proj and v_proj) but `--llama-layers` (2) of its 32 layers, so that it fits this machine; the
 formula for all 32 layers is printed beside it. Writes benchmarks/results/qlora_memory.json and .md.
+
+Checkpoint mode (`--checkpoint`): how much each rank's memory grows while it saves and loads at stage 3.
+
+    python benchmarks/memory.py --checkpoint                            # 8 units x 32 MiB, 2 gloo ranks
+    python benchmarks/memory.py --checkpoint --units 2 --unit-mib 1     # a dry run
+
+A model of `--units` blocks, each one nn.Linear of about `--unit-mib` MiB (fp32), wrapped one unit
+per block at stage 3, fp32, SGD, on `--nproc` gloo ranks; one training step, then `engine.save(dir)`,
+then a fresh engine (other initial values) and `engine.load(dir)`. Around each call every rank resets
+its peak resident set size (writes "5" to /proc/self/clear_refs, which sets VmHWM to the current RSS)
+and reads /proc/self/status after: the growth is VmHWM after minus VmRSS before, every byte the call
+made resident at its peak (heap, and the pages of a file read through mmap). The loaded engine's
+param shards are checked bitwise against the saved ones. Writes benchmarks/results/checkpoint_memory.json
+and .md (`--out`), with Ψ/N and one unit's bytes beside the growth.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import gc
+import hashlib
 import json
+import os
 import platform
 import re
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -122,6 +139,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import speed as S  # noqa: E402  (its allocator pass, for --sweep: benchmarks/speed.py)
 import zerokit as zk  # noqa: E402
+from zerokit.checkpoint import committed_snapshot  # noqa: E402
 from zerokit.commands.compare import available_stages  # noqa: E402
 from zerokit.commands.memory import simulate_rank  # noqa: E402
 from zerokit.commands.step import train_step  # noqa: E402
@@ -197,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         return lora_main(argv)
     if "--sweep" in argv:
         return sweep_main(argv)
+    if "--checkpoint" in argv:
+        return checkpoint_main(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="model 'small' only (no gpt2-small)")
     parser.add_argument("--nproc", type=int, default=2, help="real gloo ranks on CPU (default 2)")
@@ -1027,6 +1047,139 @@ def _sweep_markdown(r: dict) -> str:
               "in flight beside its shard, stage 3's gathered units; and it is lower where the ledger counts "
               "something the step does not hold at its peak (stage 3's grad shards, freed by zero_grad and "
               "rebuilt in backward)."]
+    return "\n".join(lines) + "\n"
+
+
+
+# ----------------------------------------------------------------------------- --checkpoint
+class CheckpointBlock(torch.nn.Module):
+    """One stage-3 unit: a plain nn.Linear (width x width weight, width bias)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class CheckpointModel(torch.nn.Module):
+    def __init__(self, units: int, width: int):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(CheckpointBlock(width) for _ in range(units))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def _checkpoint_width(unit_mib: float) -> int:
+    """The width whose fp32 width x width weight is closest to `unit_mib` MiB."""
+    return max(1, round((unit_mib * 2 ** 20 / 4) ** 0.5))
+
+
+def _proc_status_kib(*keys: str) -> dict[str, int]:
+    """Fields of /proc/self/status, in KiB (VmRSS: resident now, VmHWM: the peak since the last reset)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in keys:
+                out[name] = int(value.split()[0])
+    return out
+
+
+def _peak_growth(fn) -> dict:
+    """Run fn(); this process's peak RSS during it minus its RSS before, in bytes (VmHWM reset first)."""
+    gc.collect()
+    torch.distributed.barrier()  # every rank measures the same collective call
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    before = _proc_status_kib("VmRSS", "VmHWM")
+    start = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - start
+    after = _proc_status_kib("VmRSS", "VmHWM")
+    return {"rss_before": before["VmRSS"] * 1024, "hwm_at_reset": before["VmHWM"] * 1024,
+            "peak": after["VmHWM"] * 1024, "rss_after": after["VmRSS"] * 1024,
+            "growth": (after["VmHWM"] - before["VmRSS"]) * 1024, "seconds": round(seconds, 3)}
+
+
+def _shards_digest(engine) -> str:
+    h = hashlib.sha256()
+    for shard in engine.param_shards:
+        h.update(shard.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def checkpoint_rank(rank: int, world_size: int, cfg: dict) -> dict:
+    """Save, then load into a fresh engine, each measured by `_peak_growth`. A collective."""
+    width = _checkpoint_width(cfg["unit_mib"])
+
+    def engine_of(seed: int):
+        torch.manual_seed(seed)
+        model = CheckpointModel(cfg["units"], width)
+        return zk.shard(model, torch.optim.SGD, stage=3, wrap=(CheckpointBlock,), lr=1e-3)
+
+    engine = engine_of(0)
+    x = torch.randn(4, width, generator=torch.Generator().manual_seed(rank))
+    train_step(engine, [x], lambda b: engine(b))
+    numel = sum(fp.numel for fp in engine.flat_params)
+    unit_bytes = max(4 * fp.padded_numel for fp in engine.flat_params)
+    save = _peak_growth(lambda: engine.save(cfg["directory"]))
+    saved = _shards_digest(engine)
+    del engine
+    fresh = engine_of(1)
+    load = _peak_growth(lambda: fresh.load(cfg["directory"]))
+    return {"rank": rank, "save": save, "load": load, "params": numel, "unit_bytes": unit_bytes,
+            "width": width, "bitwise": _shards_digest(fresh) == saved}
+
+
+def checkpoint_main(argv: list[str]) -> int:
+    """--checkpoint: see the module docstring's "Checkpoint mode"."""
+    p = argparse.ArgumentParser(description="per-rank peak RSS growth of engine.save and engine.load at stage 3")
+    p.add_argument("--checkpoint", action="store_true", required=True, help="this mode")
+    p.add_argument("--units", type=_positive, default=8, help="stage-3 units (blocks)")
+    p.add_argument("--unit-mib", type=float, default=32, help="each unit's fp32 weight, MiB")
+    p.add_argument("--nproc", type=_positive, default=2, help="gloo ranks")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "checkpoint_memory",
+                   help="results path without extension (.json and .md are written)")
+    args = p.parse_args(argv)
+    record = provenance(command_line(__file__, argv))  # taken before the run: the code that produced the numbers
+    with tempfile.TemporaryDirectory(prefix="zerokit-ckpt-bench-") as tmp:
+        cfg = {"units": args.units, "unit_mib": args.unit_mib, "directory": os.path.join(tmp, "ckpt")}
+        per_rank = run_ranks(checkpoint_rank, args.nproc, cfg, timeout_s=1800)
+        snapshot = committed_snapshot(cfg["directory"])
+        files = {name: os.path.getsize(os.path.join(snapshot, name)) for name in sorted(os.listdir(snapshot))}
+    cfg = {k: v for k, v in cfg.items() if k != "directory"}
+    result = {**record, "config": {**cfg, "nproc": args.nproc, "stage": 3, "precision": "fp32", "optimizer": "SGD"},
+              "files": files, "ranks": per_rank}
+    md = _checkpoint_markdown(result)
+    print(md)
+    write_pair(args.out, result, md)
+    return 0 if all(r["bitwise"] for r in per_rank) else 1
+
+
+def _checkpoint_markdown(r: dict) -> str:
+    mib = 2 ** 20
+    first = r["ranks"][0]
+    n = r["config"]["nproc"]
+    model_bytes = 4 * first["params"]
+    lines = ["# Per-rank peak RSS growth of engine.save and engine.load at stage 3", "", *provenance_lines(r),
+             f"- model: {r['config']['units']} units, each one nn.Linear({first['width']}, {first['width']}) "
+             f"(one unit {first['unit_bytes'] / mib:.1f} MiB fp32); Ψ = {first['params']:,} parameters, "
+             f"4Ψ = {model_bytes / mib:.1f} MiB; 4Ψ/N = {model_bytes / n / mib:.1f} MiB at N = {n}",
+             f"- stage 3, fp32, SGD, {n} gloo ranks; one training step, then `engine.save(dir)`; then a fresh engine "
+             "and `engine.load(dir)`",
+             "- growth = VmHWM after the call minus VmRSS before it, VmHWM reset just before (\"5\" into "
+             "/proc/self/clear_refs); MiB = 2^20 bytes",
+             "- files: " + ", ".join(f"{name} {size / mib:.1f} MiB" for name, size in r["files"].items()), "",
+             "| rank | save: growth MiB | save s | load: growth MiB | load s | loaded shards bitwise equal |",
+             "|---|---:|---:|---:|---:|---|"]
+    for x in r["ranks"]:
+        lines.append(f"| {x['rank']} | {x['save']['growth'] / mib:.1f} | {x['save']['seconds']:.2f} | "
+                     f"{x['load']['growth'] / mib:.1f} | {x['load']['seconds']:.2f} | {x['bitwise']} |")
     return "\n".join(lines) + "\n"
 
 

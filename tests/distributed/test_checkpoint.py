@@ -20,11 +20,13 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
 import zerokit as zk
 from common import OddBlock, odd_batch, odd_model
-from zerokit.checkpoint import committed_snapshot
+from zerokit.checkpoint import FORMAT, MODEL_FILE, committed_snapshot
+from zerokit.checkpoint.format import aliases
 from zerokit.commands.step import train_step
 from zerokit.launch import run_ranks
 
@@ -135,6 +137,11 @@ def _cases_ws2(rank, world_size, root):
         at_save = dict(params=_params(engine), opt=_full_optimizer_state(engine),
                        scaler=engine.scaler.state_dict() if engine.scaler else None)
         engine.save(directory, extra={"step": K})
+        if rank == 0:  # the streamed model file: the bytes safetensors writes for state_dict(full=True)
+            names_of = aliases(engine.module)
+            with open(os.path.join(committed_snapshot(directory), MODEL_FILE), "rb") as f:
+                out.setdefault("model_file_as_safetensors_writes_it", {})[key] = f.read() == safetensors_bytes(
+                    {k: v for k, v in at_save["params"].items() if k not in names_of}, metadata={"format": FORMAT})
         after = _train(engine, rank, world_size, K, M)
         uninterrupted[key] = dict(losses=after[0], scales=after[1], params=_params(engine))
         saved[key] = at_save
@@ -157,6 +164,29 @@ def _cases_ws2(rank, world_size, root):
             out["bf16_stage3_state_dict"] = at_save["params"]
 
     out["saved_opt_s3"] = saved[(3, "fp32", "adamw")]["opt"]  # for the world-size-3 spawn
+
+    # full_state_items: every key once, each flat param gathered only when its values are next
+    for stage, precision in [(3, "fp32"), (1, "bf16"), (0, "fp32")]:
+        engine = _engine(stage, precision)
+        _train(engine, rank, world_size, 0, 1)
+        expected = _params(engine)
+        masters = engine._masters_by_index()
+        gathering = [engine.full_flat_source(fp, masters)[1] for fp in engine.flat_params]
+        gathered_by = {}  # name -> how many all-gathers have been issued once its value is yielded
+        for i, fp in enumerate(engine.flat_params):
+            gathered_by.update((name, sum(gathering[:i + 1])) for names in fp.names for name in names)
+        start = engine.comm.calls["all_gather"]
+        seen, lazy = {}, []
+        for name, value in engine.full_state_items():
+            lazy.append(engine.comm.calls["all_gather"] - start == gathered_by.get(name, sum(gathering)))
+            seen[name] = value.clone()
+        only = list(engine.full_state_items(rank0_only=True))
+        out.setdefault("items", {})[(stage, precision)] = dict(
+            mismatch=_equal_dicts(expected, seen), lazy=all(lazy), names=[name for name, _ in only],
+            gathers=engine.comm.calls["all_gather"] - start, gathering=sum(gathering),
+            flat_params=len(engine.flat_params), trainable=len(engine.trainable), keys=list(expected),
+            nones=[value is None for _, value in only],
+            rank0_only_mismatch=_equal_dicts(expected, dict(only)) if rank == 0 else None)
 
     # stage changes at the same world size; the reference is the uninterrupted run of the new stage
     for src, dst in [(3, 1), (0, 2)]:
@@ -245,6 +275,30 @@ def ws3(root, ws2, groups, tmp_path_factory):
     saved = ws2[0]["saved_opt_s3"]  # every rank gathered the same full optimizer state; take rank 0's
     return run_ranks(_cases_ws3, 3, root, saved, groups[0]["saved_hyper"],
                      store_dir=str(tmp_path_factory.mktemp("rdzv")), timeout_s=180)
+
+
+@pytest.mark.parametrize("case", SAME, ids=lambda c: "-".join(map(str, c)))
+def test_streamed_model_file_is_what_safetensors_writes_for_the_state_dict(ws2, case):
+    """The model file, written a tensor at a time as each flat param is gathered, holds the bytes safetensors'
+    own writer gives the full state_dict (tied tensor once, one metadata key): same layout, same bits."""
+    assert ws2[0]["model_file_as_safetensors_writes_it"][case] is True
+
+
+@pytest.mark.parametrize("config", [(3, "fp32"), (1, "bf16"), (0, "fp32")], ids=lambda c: "-".join(map(str, c)))
+def test_full_state_items_gathers_one_flat_param_at_a_time(ws2, config):
+    """Every state_dict key once (both names of the tied embedding), the values state_dict(full=True) gives; a
+    flat param is gathered only when its values are next (stage 3: all of them, one each; stage 1 bf16: each
+    fp32 master; stage 0: none); with rank0_only the other ranks get None and still take part."""
+    for r, out in enumerate(ws2):
+        got = out["items"][config]
+        assert got["mismatch"] == [] and got["lazy"], (r, got["mismatch"], got["lazy"])
+        assert sorted(got["names"]) == sorted(got["keys"]) and {"emb.weight", "head.weight"} <= set(got["keys"])
+        assert got["nones"] == [r != 0] * len(got["keys"]), (r, got["nones"])
+        if r == 0:
+            assert got["rank0_only_mismatch"] == [], got["rank0_only_mismatch"]
+        stage = config[0]
+        assert got["gathering"] == {3: got["flat_params"], 1: got["trainable"], 0: 0}[stage], got
+        assert got["gathers"] == 2 * got["gathering"], got  # each once per iteration
 
 
 @pytest.mark.parametrize("case", SAME, ids=lambda c: "-".join(map(str, c)))

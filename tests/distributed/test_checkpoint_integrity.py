@@ -174,28 +174,21 @@ class _Markers:
 
 
 def _fail_after_others_wrote(rank, world_size, failing_rank, markers, action):
-    """Patches for one save: every rank but `failing_rank` signals once its last file is written (rank 0's last
-    is the model file); `failing_rank` waits for all of them, then calls `action` (raise, or os._exit) instead of
-    writing its rank file."""
+    """Patches for one save: every rank but `failing_rank` signals once its last file is written (its rank file:
+    rank 0 streams the model file before it); `failing_rank` waits for all of them, then calls `action` (raise, or
+    os._exit) instead of writing its rank file."""
     others = [f"wrote-{r}" for r in range(world_size) if r != failing_rank]
-    write_rank, write_model = commit._write_rank_file, commit._write_model_file
+    write_rank = commit._write_rank_file
 
     def rank_file(*args, **kwargs):
         if rank == failing_rank:
             markers.wait(others)
             action()
         record = write_rank(*args, **kwargs)
-        if rank != 0:
-            markers.signal(f"wrote-{rank}")
+        markers.signal(f"wrote-{rank}")
         return record
 
-    def model_file(*args, **kwargs):
-        record = write_model(*args, **kwargs)
-        markers.signal("wrote-0")
-        return record
-
-    return [mock.patch.object(commit, "_write_rank_file", rank_file),
-            mock.patch.object(commit, "_write_model_file", model_file)]
+    return [mock.patch.object(commit, "_write_rank_file", rank_file)]
 
 
 def _save_with(patches, engine, directory, **kwargs):
@@ -225,12 +218,18 @@ def _save_failures(rank, world_size, source, scratch, expected):
         patches = _fail_after_others_wrote(rank, world_size, failing, _Markers(markers), _raise_oserror)
         out[failing] = dict(error=_save_with(patches, engine, directory))
         out[failing].update(_after_failed_save(rank, directory, expected))
-    # a write that fails inside safetensors on the last rank: the error names that rank and its file
+    # a write that fails inside the file writer on the last rank: the error names that rank and its file
     directory = os.path.join(scratch, "permission")
     _on_rank0(rank, lambda: _copy(source, directory))
-    denied = mock.patch.object(commit, "save_file", side_effect=PermissionError(13, "Permission denied"))
+    denied = mock.patch.object(commit.SafetensorsWriter, "write", side_effect=PermissionError(13, "Permission denied"))
     out["permission"] = dict(error=_save_with([denied] if rank == world_size - 1 else [], engine, directory))
     out["permission"].update(_after_failed_save(rank, directory, expected))
+    # rank 0's model file fails at its first tensor: the other ranks still finish the gathers, then all raise
+    directory = os.path.join(scratch, "model-file")
+    _on_rank0(rank, lambda: _copy(source, directory))
+    full = mock.patch.object(commit.SafetensorsWriter, "write", side_effect=OSError(28, "No space left on device"))
+    out["model_file"] = dict(error=_save_with([full] if rank == 0 else [], engine, directory))
+    out["model_file"].update(_after_failed_save(rank, directory, expected))
     # the directory is a regular file: rank 0 cannot create the snapshot
     not_a_dir = os.path.join(scratch, "not-a-directory")
     _on_rank0(rank, lambda: open(not_a_dir, "w").close())
@@ -371,14 +370,14 @@ def _cases_ws2(rank, world_size, root):
 # other rank has written its files; "commit": after meta.json, before current.json is replaced;
 # "cleanup": after the commit, before the previous snapshot is removed.
 CRASHES = {
-    "c1": (2, 0, "write"),  # rank 0 dies after rank 1 has written its rank file
+    "c1": (2, 0, "write"),  # rank 0 dies after the model file and rank 1's rank file are written
     "c2": (2, 1, "write"),  # rank 1 dies after rank 0 has written its rank file and the model file
     "c3": (3, 0, "commit"),  # the new snapshot is complete, but never committed
     "c4": (2, 0, "cleanup"),  # committed: the load gives the new checkpoint
 }
 # what the crashed snapshot holds besides what the pointer names
 CRASH_LEFTOVER = {
-    "c1": ["rank1-of-2.safetensors"],
+    "c1": ["model.safetensors", "rank1-of-2.safetensors"],
     "c2": ["model.safetensors", "rank0-of-2.safetensors"],
     "c3": ["meta.json", "model.safetensors", "rank0-of-3.safetensors", "rank1-of-3.safetensors",
            "rank2-of-3.safetensors"],
@@ -611,9 +610,9 @@ def test_next_successful_save_removes_what_crashed_saves_left(ws3):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_save_failing_on_one_rank_raises_on_every_rank_and_keeps_the_previous_checkpoint(request, world_size):
-    """Each rank in turn fails after every other rank wrote its files, and one rank's file write is denied:
-    ValueError on every rank naming the failing rank (and the file); the half-written snapshot is removed and
-    the previous checkpoint loads bit for bit."""
+    """Each rank in turn fails after every other rank wrote its files, one rank's file write is denied, and rank
+    0's model file fails while every rank gathers for it: ValueError on every rank naming the failing rank (and
+    the file); the half-written snapshot is removed and the previous checkpoint loads bit for bit."""
     outs = _spawn(request, world_size)
     for r, out in enumerate(outs):
         f = out["failures"]
@@ -627,6 +626,9 @@ def test_save_failing_on_one_rank_raises_on_every_rank_and_keeps_the_previous_ch
         assert denied is not None and f"rank {world_size - 1}: OSError" in denied, denied
         assert f"rank{world_size - 1}-of-{world_size}.safetensors" in denied and "Permission denied" in denied, denied
         assert f["permission"]["mismatch"] == [] and f["permission"]["listing"] == expected_listing, f["permission"]
+        streamed = f["model_file"]["error"]  # raised while the other ranks gathered: they finished, then raised
+        assert streamed is not None and "rank 0: OSError" in streamed and "model.safetensors" in streamed, streamed
+        assert f["model_file"]["mismatch"] == [] and f["model_file"]["listing"] == expected_listing, f["model_file"]
         nd = f["not_a_directory"]["error"]
         assert nd is not None and "rank 0:" in nd and "not-a-directory" in nd, nd
 

@@ -1,5 +1,5 @@
 """zerokit.checkpoint.format without a process group: names, piece keys, meta.json and current.json checks,
-digests, and a snapshot directory written by the commit step's own writers read back by `open_checkpoint`."""
+digests, the streaming safetensors writer, and a snapshot directory written by the commit step's own writers read back by `open_checkpoint`."""
 from __future__ import annotations
 
 import hashlib
@@ -8,13 +8,16 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
 from zerokit.checkpoint import commit
 from zerokit.checkpoint.format import (
-    FORMAT, HASH, META_FILE, MODEL_FILE, POINTER_FILE, POINTER_LEFTOVER, SNAPSHOT_NAME, VERSION, aliases, check_meta,
-    check_pointer, check_record, digest, digest_bytes, is_record, json_number, meta_bytes, new_snapshot_name,
-    open_checkpoint, parse_piece_key, piece_key, pointer, rank_file, snapshot_files, verify_file)
+    FORMAT, HASH, META_FILE, MODEL_FILE, POINTER_FILE, POINTER_LEFTOVER, SAFETENSORS_DTYPES, SNAPSHOT_NAME, VERSION,
+    SafetensorsWriter, aliases, check_meta, check_pointer, check_record, digest, digest_bytes, is_record, json_number,
+    meta_bytes, new_snapshot_name, open_checkpoint, parse_piece_key, piece_key, pointer, rank_file, snapshot_files,
+    verify_file)
 
 PARAMS = {"blocks.0.fc1.weight": {"shape": [7, 15]}, "gain": {"shape": [1]}, "a::b": {"shape": [4]}}
 
@@ -93,6 +96,73 @@ def test_digest_is_the_plain_sha256_of_the_file_across_the_read_chunk(tmp_path):
     empty = tmp_path / "empty"
     empty.write_bytes(b"")
     assert digest(str(empty)) == {"bytes": 0, HASH: hashlib.sha256(b"").hexdigest()}
+
+
+# ---------------------------------------------------------------------- the streaming writer
+def _tensors(dtypes) -> dict[str, torch.Tensor]:
+    """A tensor of every dtype, of assorted shapes (0-dim, empty, several dimensions), under unsorted names."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 5), (), (0,), (2, 3, 4), (7,), (1, 1)]
+    out = {}
+    for i, dtype in enumerate(dtypes):
+        for j, shape in enumerate(shapes[i % 3:i % 3 + 3]):
+            out[f"m{(7 * i + j) % 11}.p{i}.{j}"] = (torch.randn(shape, generator=g) * 50).to(dtype)
+    return out
+
+
+def test_safetensors_dtype_order_is_the_order_safetensors_lays_tensors_out():
+    """SAFETENSORS_DTYPES lists safetensors' own dtype names in the order its writer puts them (widest first)."""
+    tensors = {str(dtype): torch.zeros(1, dtype=dtype) for dtype in SAFETENSORS_DTYPES}
+    data = safetensors_bytes(tensors)
+    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    assert [(name, header[name]["dtype"]) for name in header] == [(str(d), n) for d, n in SAFETENSORS_DTYPES.items()]
+
+
+@pytest.mark.parametrize("metadata", [None, {"format": FORMAT}])
+@pytest.mark.parametrize("order", ["file", "reversed", "shuffled"])
+def test_streaming_writer_writes_the_bytes_safetensors_writes_and_hashes_them(tmp_path, metadata, order):
+    """Tensor by tensor, in the file's order or any other (read back for the hash), the file is byte for byte
+    safetensors' save_file's for the same tensors and metadata, its record is the file's size and sha256, and
+    safetensors reads every tensor back bit for bit."""
+    tensors = _tensors(list(SAFETENSORS_DTYPES))
+    path = str(tmp_path / "streamed.safetensors")
+    writer = SafetensorsWriter(path, {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}, metadata)
+    names = {"file": writer.order, "reversed": writer.order[::-1],
+             "shuffled": sorted(tensors, key=lambda k: hashlib.sha256(k.encode()).digest())}[order]
+    for name in names:
+        writer.write(name, tensors[name])
+    record = writer.close()
+    data = open(path, "rb").read()
+    assert data == safetensors_bytes(tensors, metadata=metadata)
+    assert record == digest(path) == digest_bytes(data)
+    back = load_file(path)
+    assert back.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape
+        assert torch.equal(back[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+def test_streaming_writer_hashes_across_read_chunks_and_refuses_what_its_header_does_not_say(tmp_path):
+    """A tensor written ahead that spans several read-back chunks is hashed whole; a wrong dtype or shape, an
+    unknown name, a second write and a tensor never written are refused; abandon() deletes the file."""
+    big = torch.arange((9 << 20) // 4 + 5, dtype=torch.float32)  # past one read chunk
+    tensors = {"a": torch.ones(3), "b": big}
+    path = str(tmp_path / "big.safetensors")
+    writer = SafetensorsWriter(path, {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()})
+    writer.write("b", big)  # ahead of "a": hashed once "a" is written, read back from the file
+    with pytest.raises(ValueError, match="written twice"):
+        writer.write("b", big)
+    with pytest.raises(ValueError, match="not in the header"):
+        writer.write("c", big)
+    with pytest.raises(ValueError, match=r"'a' is torch.float64 \(3,\), the header says torch.float32 \(3,\)"):
+        writer.write("a", torch.ones(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="never written"):
+        writer.close()
+    writer.write("a", tensors["a"])
+    assert writer.close() == digest(path) and open(path, "rb").read() == safetensors_bytes(tensors)
+    abandoned = SafetensorsWriter(str(tmp_path / "gone.safetensors"), {"a": (torch.float32, (3,))})
+    abandoned.abandon()
+    assert not (tmp_path / "gone.safetensors").exists()
 
 
 @pytest.mark.parametrize("record, ok", [

@@ -1,5 +1,6 @@
-"""benchmarks/collectives.py (both modes), memory.py --sweep, speed.py --paired and investigations/stage0_phases.py,
-stage1_phases.py, buffer_broadcast.py: a short run writes complete records and tables."""
+"""benchmarks/collectives.py (both modes), memory.py --sweep and --checkpoint, speed.py --paired and
+investigations/stage0_phases.py, stage1_phases.py, buffer_broadcast.py: a short run writes complete records and
+tables."""
 import json
 import sys
 from pathlib import Path
@@ -166,6 +167,26 @@ def test_sweep_records_time_ledger_and_allocator_bytes_per_stage(tmp_path):
     assert min(memory.STAGES, key=lambda s: rows[(2, s)]["peak"]) == 3
     assert "| allocator peak MiB | live after the step MiB | peak vs stage 0 |" in md and record["commit"] in md
     assert (tmp_path / "sw.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_mode_records_each_ranks_peak_growth_of_save_and_load(tmp_path):
+    """Two 1 MiB units on 2 ranks: a row per rank with the save's and the load's peak RSS growth (non-negative, read
+    from /proc/self/status) and time, the loaded shards bitwise equal to the saved ones, and the snapshot's files."""
+    argv = ["--units", "2", "--unit-mib", "1", "--out", str(tmp_path / "ck")]
+    assert memory.main(["--checkpoint", *argv]) == 0
+    record = json.loads((tmp_path / "ck.json").read_text())
+    md = (tmp_path / "ck.md").read_text()
+    assert PROVENANCE <= set(record) and record["command"] == "python benchmarks/memory.py --checkpoint " + " ".join(argv)
+    assert [r["rank"] for r in record["ranks"]] == [0, 1]
+    for row in record["ranks"]:
+        assert row["bitwise"] is True and row["params"] == 2 * (512 * 512 + 512)
+        for call in ("save", "load"):
+            assert row[call]["growth"] >= 0 and row[call]["peak"] >= row[call]["rss_before"] and row[call]["seconds"] > 0
+    assert set(record["files"]) == {"meta.json", "model.safetensors", "rank0-of-2.safetensors",
+                                    "rank1-of-2.safetensors"}
+    assert record["files"]["model.safetensors"] > 4 * record["ranks"][0]["params"]
+    assert "| rank | save: growth MiB |" in md and record["commit"] in md
 
 
 def test_paired_steps_median_interval_is_the_binomial_order_statistics():

@@ -1,16 +1,18 @@
 """Saving: every rank writes what it owns, and one os.replace of current.json commits the snapshot.
 
 [Note: the commit protocol]
-`save` is a collective of four small all-gathers; a crash of any rank at any point leaves the
-previous snapshot current and intact:
+`save` is a collective of four small all-gathers, and the model file's gathers (one per flat
+param); a crash of any rank at any point leaves the previous snapshot current and intact:
 
  1. agree: every rank's realpath(directory) is gathered with rank 0's fresh snapshot name;
     different paths raise ValueError on every rank before anything is written.
  2. create: rank 0 makes <directory>/<snapshot>/; a rank that then cannot see it is on another
     filesystem and is refused.
- 3. write: each rank writes, fsyncs and digests its rank file (rank 0 also the model file). The
-    gather of every rank's problems and digests is the agreement that the snapshot is complete;
-    on any problem rank 0 deletes it and every rank raises, naming the rank and the file.
+ 3. write: rank 0 streams the model file while every rank gathers one flat param at a time
+    (`_write_model_file`, every rank to the end whatever failed), then each rank writes, fsyncs
+    and digests its rank file. The gather of every rank's problems and digests is the agreement
+    that the snapshot is complete; on any problem rank 0 deletes it and every rank raises,
+    naming the rank and the file.
  4. commit: rank 0 writes meta.json (every digest), fsyncs the snapshot, writes and fsyncs
     current.json.tmp-<token> and os.replace()s it onto current.json: the one commit point. Then
     it deletes every other ckpt-* snapshot and pointer leftover (a failure there only warns).
@@ -26,12 +28,11 @@ import shutil
 import warnings
 
 import torch
-from safetensors.torch import save_file
 
 from zerokit.checkpoint.format import (
-    FORMAT, MASTER, META_FILE, MODEL_FILE, POINTER_FILE, POINTER_LEFTOVER, SNAPSHOT_NAME, aliases, build_meta, digest,
-    digest_bytes, master_start, meta_bytes, new_snapshot_name, piece_key, pointer, rank_file, state_kinds,
-    trainable_with_masters)
+    FORMAT, MASTER, META_FILE, MODEL_FILE, POINTER_FILE, POINTER_LEFTOVER, SNAPSHOT_NAME, SafetensorsWriter, aliases,
+    build_meta, digest_bytes, master_start, meta_bytes, new_snapshot_name, piece_key, pointer, rank_file,
+    state_kinds, trainable_with_masters)
 
 
 def save(engine, directory: str | os.PathLike, extra: dict | None = None) -> None:
@@ -48,7 +49,6 @@ def save(engine, directory: str | os.PathLike, extra: dict | None = None) -> Non
     snapshot = _agree_on_directory(engine, directory)  # 1. agree (all-gather)
     directory = os.fspath(directory)
     engine.finish_backward()
-    full = engine.state_dict(full=True)  # a collective at stages 1-3: every rank takes part
     what = f"cannot save checkpoint {directory}"
     snapshot_path = os.path.join(directory, snapshot)
 
@@ -61,7 +61,8 @@ def save(engine, directory: str | os.PathLike, extra: dict | None = None) -> Non
             problems.append(f"{type(exc).__name__}: {exc}")
     raise_if_any(engine, problems, what)
 
-    # 3. write: every rank its own files, then the all-gather that agrees the snapshot is complete.
+    # 3. write: the model file (a collective: every rank gathers, rank 0 writes), then every rank its own files;
+    # then the all-gather that agrees the snapshot is complete.
     records: dict[str, dict] = {}
     kinds: dict[str, str] = {}
     try:
@@ -69,13 +70,21 @@ def save(engine, directory: str | os.PathLike, extra: dict | None = None) -> Non
             raise OSError(f"{snapshot_path}, just created by rank 0, does not exist on rank {engine.comm.world_rank}: "
                           "the checkpoint directory must be on a filesystem every rank shares")
         kinds = state_kinds(engine)
-        if engine.comm.replica_rank == 0:  # hybrid sharding: one copy of the shards is written (core/hybrid.py)
-            name = rank_file(engine.rank, engine.world_size)
-            records[name] = _write_rank_file(engine, snapshot_path, kinds, aliases(engine.module))
-        if engine.comm.world_rank == 0:
-            records[MODEL_FILE] = _write_model_file(engine, snapshot_path, full)
     except Exception as exc:  # reported to every rank below, never left for a peer to hang on
         problems.append(f"{type(exc).__name__}: {exc}")
+    try:  # every rank, whatever went wrong above: the others' gathers need it
+        record = _write_model_file(engine, snapshot_path, write=not problems)
+        if record is not None:
+            records[MODEL_FILE] = record
+    except Exception as exc:
+        problems.append(f"{type(exc).__name__}: {exc}")
+    if not problems:
+        try:
+            if engine.comm.replica_rank == 0:  # hybrid sharding: one copy of the shards is written (core/hybrid.py)
+                name = rank_file(engine.rank, engine.world_size)
+                records[name] = _write_rank_file(engine, snapshot_path, kinds, aliases(engine.module))
+        except Exception as exc:
+            problems.append(f"{type(exc).__name__}: {exc}")
     everyone = engine.comm.all_gather_object((problems, records), label="checkpoint save: every rank's files written",
                                              phase="checkpoint")
     errors = [f"rank {r}: {msg}" for r, (theirs, _) in enumerate(everyone) for msg in theirs]
@@ -148,19 +157,9 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _save_tensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> dict:
-    """Write, fsync and digest one safetensors file; return its record for meta.json."""
-    try:
-        save_file(tensors, path, metadata=metadata)
-        _fsync(path)
-        return digest(path)
-    except Exception as exc:
-        raise OSError(f"writing {path}: {exc}") from exc
-
-
 def _write_rank_file(engine, directory: str, kinds: dict[str, str], names_of: dict[str, str]) -> dict:
     """This rank's pieces of every trainable flat param: master and optimizer states, by name and range."""
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}  # views of the master and its states: written as they are, not copied
     for fp, master in trainable_with_masters(engine):
         base = master_start(fp, master)
         lo, _hi = fp.shard_range
@@ -169,21 +168,59 @@ def _write_rank_file(engine, directory: str, kinds: dict[str, str], names_of: di
             name = names_of.get(fp.names[piece.index][0], fp.names[piece.index][0])  # the model file's key
             a = lo + piece.shard_offset - base  # where the piece sits in the master tensor
             b = a + piece.numel
-            # clone: safetensors stores each tensor on its own, never views of one storage
-            tensors[piece_key(MASTER, name, piece.start, piece.end)] = master.detach()[a:b].float().cpu().clone()
+            tensors[piece_key(MASTER, name, piece.start, piece.end)] = master.detach()[a:b].float()
             for key, kind in kinds.items():
                 value = master_state[key].detach()
-                stored = value[a:b] if kind == "elementwise" else value
-                tensors[piece_key(f"state.{key}", name, piece.start, piece.end)] = stored.cpu().clone()
+                tensors[piece_key(f"state.{key}", name, piece.start, piece.end)] = (
+                    value[a:b] if kind == "elementwise" else value)
     path = os.path.join(directory, rank_file(engine.rank, engine.world_size))
-    return _save_tensors(tensors, path,
-                         {"format": FORMAT, "rank": str(engine.rank), "world_size": str(engine.world_size)})
+    writer = None
+    try:
+        writer = SafetensorsWriter(path, {key: (t.dtype, tuple(t.shape)) for key, t in tensors.items()},
+                                   {"format": FORMAT, "rank": str(engine.rank), "world_size": str(engine.world_size)})
+        for key in writer.order:  # the file's order: each piece hashed as it is written
+            writer.write(key, tensors[key])
+        return writer.close()
+    except Exception as exc:
+        if writer is not None:
+            writer.abandon()
+        raise OSError(f"writing {path}: {exc}") from exc
 
 
-def _write_model_file(engine, directory: str, full: dict[str, torch.Tensor]) -> dict:
+def _write_model_file(engine, directory: str, write: bool = True) -> dict | None:
+    """Stream the full state into model.safetensors; its record on world rank 0, None elsewhere. A collective.
+
+    Every rank iterates `engine.full_state_items` to the end, one flat param gathered at a time;
+    rank 0 writes each tensor as it arrives (a tied tensor once, under its first name), and the
+    file is byte for byte what safetensors' save_file writes (format.py [Note: the streaming writer]).
+    A failure on rank 0 (or `write` False) stops the writing, never the gathers: the other ranks
+    drain theirs, then rank 0 raises and `save` reports it on every rank.
+    """
+    path = os.path.join(directory, MODEL_FILE)
+    writer, error = None, None
     names_of = aliases(engine.module)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in full.items() if k not in names_of}
-    return _save_tensors(tensors, os.path.join(directory, MODEL_FILE), {"format": FORMAT})
+    if engine.comm.world_rank == 0 and write:
+        try:
+            specs = {name: spec for name, spec in engine.full_state_specs().items() if name not in names_of}
+            writer = SafetensorsWriter(path, specs, {"format": FORMAT})
+        except Exception as exc:
+            error = exc
+    for name, tensor in engine.full_state_items(rank0_only=True):
+        if writer is not None and name not in names_of:
+            try:
+                writer.write(name, tensor)
+            except Exception as exc:
+                error, writer = exc, writer.abandon()
+        del tensor  # before the next gather: a value still held keeps its flat param's gathered buffer alive
+    if writer is not None:
+        try:
+            return writer.close()
+        except Exception as exc:
+            error = exc
+            writer.abandon()
+    if error is not None:
+        raise OSError(f"writing {path}: {error}") from error
+    return None
 
 
 def _write_meta(snapshot_path: str, meta: dict) -> dict:

@@ -10,7 +10,8 @@ A checkpoint directory holds one committed snapshot and the pointer that names i
                                     shape / dtype, the caller's `extra`, and "files": {name: {"bytes",
                                     "sha256"}} for every file below
       model.safetensors             rank 0: engine.state_dict(full=True), the unwrapped model's keys (fp32
-                                    masters where they exist); a tied tensor is stored once, under its first
+                                    masters where they exist), streamed as it is gathered ([Note: the
+                                    streaming writer]); a tied tensor is stored once, under its first
                                     name, and meta.json's "aliases" maps the other names to it
       rank{r}-of-{N}.safetensors    rank r: the pieces of range [r * shard_numel, (r + 1) * shard_numel) of
                                     every trainable flat param's fp32 master and per-element optimizer states
@@ -37,6 +38,16 @@ file's size and sha256, current.json records meta.json's, and every field of cur
 validated when read. The digests are plain sha256 of the files' bytes, so `sha256sum` checks a
 copied checkpoint without zerokit. sha256 is the fastest strong hash in the stdlib on CPUs with
 SHA extensions; its cost per GB on save and load is in benchmarks/results/checksum_cost.md.
+
+[Note: the streaming writer]
+The model file is written by `SafetensorsWriter` as each tensor is gathered, so no rank holds
+the whole model. Its bytes are those safetensors' `save_file` writes for the same tensors: an
+8-byte little-endian header length, the compact JSON header (`__metadata__` first, then the
+tensors by dtype, widest first, then by name) padded with spaces to a multiple of 8, then each
+tensor's raw bytes in header order. Tensors arrive in the engine's gather order, not the
+header's, so each is written at its own offset, and the sha256 covers the file as it grows: a
+tensor that continues the hashed prefix is hashed from memory; one written ahead of it is read
+back from the file once the prefix reaches it (no read at all when they arrive in header order).
 """
 from __future__ import annotations
 
@@ -303,6 +314,120 @@ def verify_file(path: str, expected: dict, recorded_in: str) -> None:
     if size != expected["bytes"]:
         check_record(path, {"bytes": size, HASH: ""}, expected, recorded_in)
     check_record(path, digest(path), expected, recorded_in)
+
+
+# ====================================================================== writing a safetensors file tensor by tensor
+# torch dtype -> safetensors' name for it, in the order save_file lays tensors out (widest first, then by name)
+SAFETENSORS_DTYPES = {
+    torch.uint64: "U64", torch.int64: "I64", torch.float64: "F64", torch.complex64: "C64", torch.float32: "F32",
+    torch.uint32: "U32", torch.int32: "I32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint16: "U16",
+    torch.int16: "I16", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL"}
+_DTYPE_RANK = {dtype: i for i, dtype in enumerate(SAFETENSORS_DTYPES)}
+
+
+class SafetensorsWriter:
+    """One safetensors file written a tensor at a time, hashed as it is written.
+
+    `specs`: name -> (dtype, shape) of every tensor the file will hold; the header (and so every
+    tensor's offset) is written at once. `write(name, tensor)` then puts each tensor's bytes at its
+    offset, in any order (`order`, the file's, needs no read-back); `close()` fsyncs and returns the file's {"bytes", "sha256"} record;
+    `abandon()` (the error path) closes and deletes the file. See [Note: the streaming writer].
+    """
+
+    def __init__(self, path: str, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        self.path = path
+        self.order = sorted(specs, key=lambda name: (_DTYPE_RANK[specs[name][0]], name))  # the file's order
+        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+        self.extents: dict[str, tuple[int, int]] = {}  # name -> [begin, end) bytes after the header
+        end = 0
+        for name in self.order:
+            dtype, shape = specs[name]
+            numel = 1
+            for d in shape:
+                numel *= int(d)
+            begin, end = end, end + numel * dtype.itemsize
+            self.extents[name] = (begin, end)
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": [int(d) for d in shape],
+                            "data_offsets": [begin, end]}
+        self.specs = {name: (dtype, tuple(int(d) for d in shape)) for name, (dtype, shape) in specs.items()}
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+        prefix = len(text).to_bytes(8, "little") + text
+        self.data_start, self.size = len(prefix), len(prefix) + end
+        self._hash = hashlib.new(HASH, prefix)
+        self._hashed = self.data_start  # every byte before this offset is in the hash
+        self._ahead: dict[int, int] = {}  # begin -> end (file offsets) of tensors written past `_hashed`
+        self._written: set[str] = set()
+        self._file = open(path, "w+b")
+        try:
+            self._file.write(prefix)
+        except BaseException:
+            self.abandon()
+            raise
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Put `tensor` (the dtype and shape `specs` gave `name`) at its offset. Each name once."""
+        if name not in self.specs or name in self._written:
+            raise ValueError(f"{self.path}: {name!r} is "
+                             f"{'written twice' if name in self._written else 'not in the header'}")
+        dtype, shape = self.specs[name]
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(f"{self.path}: {name!r} is {tensor.dtype} {tuple(tensor.shape)}, the header says "
+                             f"{dtype} {shape}")
+        self._written.add(name)
+        begin, end = (self.data_start + offset for offset in self.extents[name])
+        if begin == end:
+            return
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()  # its bytes, no copy
+        self._file.seek(begin)
+        self._file.write(data)
+        if begin == self._hashed:
+            self._hash.update(data)
+            self._hashed = end
+            self._catch_up()
+        else:
+            self._ahead[begin] = end
+
+    def _catch_up(self) -> None:
+        """Hash the tensors written ahead that now follow the hashed prefix, read back from the file."""
+        if self._hashed not in self._ahead:
+            return
+        buffer = bytearray(_READ_CHUNK_BYTES)
+        view = memoryview(buffer)
+        while self._hashed in self._ahead:
+            end = self._ahead.pop(self._hashed)
+            self._file.seek(self._hashed)
+            while self._hashed < end:
+                n = self._file.readinto(view[:min(len(buffer), end - self._hashed)])
+                if not n:
+                    raise OSError(f"{self.path}: short read at byte {self._hashed} while hashing it")
+                self._hash.update(view[:n])
+                self._hashed += n
+
+    def close(self) -> dict:
+        """Flush and fsync the file; its record for meta.json. Every tensor of `specs` must have been written."""
+        missing = [name for name in self.specs if name not in self._written]
+        if missing:
+            raise ValueError(f"{self.path}: {len(missing)} tensors never written ({missing[:3]} ...)")
+        self._catch_up()
+        assert self._hashed == self.size and not self._ahead, (self._hashed, self.size, self._ahead)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        return {"bytes": self.size, HASH: self._hash.hexdigest()}
+
+    def abandon(self) -> None:
+        """Close and delete the file, ignoring errors (it is being given up on)."""
+        try:
+            self._file.close()
+        except Exception:
+            pass
+        try:
+            os.remove(self.path)
+        except OSError:
+            pass
 
 
 # ====================================================================== reading a directory

@@ -2,14 +2,16 @@
 
 [Note: loading]
 Loading needs one collective. Every rank reads current.json and meta.json (checked against the
-pointer's digest), checks the model file (read whole), the rank files it reads slices of, and
-rank file i for every i % world_size == rank, so each file is checked by some rank without every
-rank reading every file. One all-gather of the verdicts, and of which snapshot each rank read,
-lets every rank raise the same ValueError — naming the file or the parameter — before anything
-is written into the engine and before a later collective could hang; ranks that read different
-snapshots refuse too. Then the stage's `load_flat_params` writes the full values into its own
-storage, and this rank's masters and optimizer state are installed. A rank holds one full fp32
-copy of the model while loading (4Ψ bytes), the price of reading a plain model file.
+pointer's digest) and checks the rank files it reads slices of and rank file i for every
+i % world_size == rank; rank 0 checks the model file (and a rank whose read of it fails checks
+it too, to name a corruption rather than its symptom), so each file is checked by some rank
+without every rank reading every file. One all-gather of the verdicts, and of which snapshot
+each rank read, lets every rank raise the same ValueError — naming the file or the parameter —
+before anything is written into the engine and before a later collective could hang; ranks that
+read different snapshots refuse too. Of the model file a rank reads, a tensor slice at a time,
+only the range of each flat param it keeps (`engine.kept_range`: its shard at stage 3, so 4Ψ/N
+bytes, all 4Ψ at stages 0-2, whose params are whole); the stage's `load_flat_params` writes
+them into its own storage, and this rank's masters and optimizer state are installed.
 
 [Note: hyperparameters]
 A load restores each parameter's saved numeric hyperparameters (lr, betas, eps, ...), as torch's
@@ -139,14 +141,19 @@ def _read(engine, directory: str) -> tuple[_Plan, Snapshot]:
             verify_file(os.path.join(snapshot.path, name), meta["files"][name], meta_path)
             checked.add(name)
 
-    # See [Note: loading]: the model file (read whole), rank files i = rank (mod world size), and below
-    # the rank files this rank reads slices of; the verdict gather in `load` makes every rank hear of any.
+    # See [Note: loading]: rank 0 the model file, rank files i = rank (mod world size), and below the rank
+    # files this rank reads slices of; the verdict gather in `load` makes every rank hear of any.
     n_saved = int(meta["world_size"])
-    verify(MODEL_FILE)
+    if engine.rank == 0:
+        verify(MODEL_FILE)
     for r in range(engine.rank, n_saved, engine.world_size):
         verify(rank_file(r, n_saved))
     plan = _Plan(meta)
-    _read_model_file(engine, snapshot.path, meta, plan)
+    try:
+        _read_model_file(engine, snapshot.path, meta, plan)
+    except Exception:
+        verify(MODEL_FILE)  # rank 0 checks it, but a corruption may be what broke this rank's read: name it
+        raise
     try:
         used = _read_rank_files(engine, snapshot.path, meta, plan)
     except Exception:
@@ -162,6 +169,8 @@ def _read(engine, directory: str) -> tuple[_Plan, Snapshot]:
 
 
 def _read_model_file(engine, directory: str, meta: dict, plan: _Plan) -> None:
+    """Each flat param's range this rank keeps (`engine.kept_range`: its shard at stage 3, all of it below), read
+    from the model file a tensor slice at a time, every shape checked first; the buffers whole."""
     path = os.path.join(directory, MODEL_FILE)
     if not os.path.isfile(path):
         raise ValueError(f"{path} is missing")
@@ -177,26 +186,41 @@ def _read_model_file(engine, directory: str, meta: dict, plan: _Plan) -> None:
             raise ValueError(f"{path} does not match this model: missing {missing[:5]}"
                              f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
                              f"{' ...' if len(unexpected) > 5 else ''}")
-
-        def get(name: str) -> torch.Tensor:
-            key = aliases.get(name, name)
-            shape = tuple(f.get_slice(key).get_shape())
-            if shape != tuple(expected[name].shape):
+        for name, t in expected.items():  # every shape, before any tensor is read
+            shape = tuple(f.get_slice(aliases.get(name, name)).get_shape())
+            if shape != tuple(t.shape):
                 raise ValueError(f"{path}: {name!r} has shape {shape} in the checkpoint, "
-                                 f"{tuple(expected[name].shape)} in this model")
-            return f.get_tensor(key)
+                                 f"{tuple(t.shape)} in this model")
 
         param_ids = set()
         for fp in engine.flat_params:
-            # (padded_numel,) padding stays zero; a quantized base's bytes stay bytes (core/flat_param.py)
-            full = torch.zeros(fp.padded_numel, dtype=torch.float32 if fp.dtype.is_floating_point else fp.dtype)
-            for names, view, p in zip(fp.names, fp.views(full), fp.params):
-                view.copy_(get(names[0]))
+            lo, hi = engine.kept_range(fp)
+            # (hi - lo,) padding stays zero; a quantized base's bytes stay bytes (core/flat_param.py)
+            kept = torch.zeros(hi - lo, dtype=torch.float32 if fp.dtype.is_floating_point else fp.dtype)
+            for names, offset, numel, p in zip(fp.names, fp.layout.offsets, fp.layout.numels, fp.params):
                 param_ids.add(id(p))
-            plan.flats.append(full)
+                a, b = max(lo, offset), min(hi, offset + numel)
+                if a < b:
+                    key = aliases.get(names[0], names[0])
+                    kept[a - lo:b - lo] = _read_flat_range(f, key, tuple(expected[names[0]].shape), a - offset,
+                                                           b - offset)
+            plan.flats.append(kept)
         for name, t in expected.items():
             if id(t) not in param_ids and name not in plan.buffers:
-                plan.buffers[name] = get(name)
+                plan.buffers[name] = f.get_tensor(aliases.get(name, name))
+
+
+def _read_flat_range(f, key: str, shape: tuple[int, ...], a: int, b: int) -> torch.Tensor:
+    """Elements [a, b) of the stored tensor `key` (of `shape`), flattened: (b - a,). Reads the rows of its first
+    dimension that hold them (safetensors slices by dimension), never the rest of the tensor."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    if not shape or (a == 0 and b == numel):
+        return f.get_tensor(key).reshape(-1)
+    row = numel // shape[0]  # elements per index of the first dimension
+    first, last = a // row, (b - 1) // row + 1
+    return f.get_slice(key)[first:last].reshape(-1)[a - first * row:b - first * row]
 
 
 def _refuse_quantization_mismatch(path: str, meta: dict, engine, missing: list[str], unexpected: list[str]) -> None:

@@ -16,11 +16,23 @@ param's state to the stage's `reduce_grads` or, inside `no_sync`, keeps the grad
 Each stage file subclasses `Engine` directly (no stage inherits from another) and
 implements the methods of "the stage interface" below, in this order in every file:
 construction (partition), the gradient hook (`reduce_grads`), the end of backward, `step`,
-`zero_grad`, then whatever of `state_dict`, what it holds (`memory_tensors`,
-`norm_shards`) and `load_flat_params` differs from the defaults here (written for stages
-0-2, whose parameters are whole). Saving and loading themselves are generic
-(zerokit/checkpoint/, mixed into each stage's engine), driven by `flat_params` and the
-optimizer's master shards; core depends on no feature module.
+`zero_grad`, then whatever of `state_dict` (`full_flat_source`), what it holds
+(`memory_tensors`, `norm_shards`) and the checkpoint hooks (`kept_range`, `load_flat_params`)
+differs from the defaults here (written for stages 0-2, whose parameters are whole). Saving
+and loading themselves are generic (zerokit/checkpoint/, mixed into each stage's engine),
+driven by `flat_params` and the optimizer's master shards; core depends on no feature module.
+
+[Note: the full state, one flat param at a time]
+`full_state_items` is what `state_dict(full=True)` and a checkpoint's model file are made of.
+It walks the flat params in order and, where a rank holds only a shard of one (stage 3's
+params and masters, stages 1-2's fp32 masters), all-gathers that flat param alone into a
+(padded_numel,) buffer, yields its parameters' values as views of it and drops it before the
+next gather. A consumer that writes each value and lets it go (checkpoint/commit.py streams
+the model file so) holds the rank's own shards plus one gathered flat param, never the whole
+model; `state_dict(full=True)` clones every value, and its dict is the whole model. The order
+is the flat params', not state_dict's (a bucket's parameters are not contiguous among the
+state_dict keys, and following those keys would gather a flat param more than once);
+`state_dict` restores the key order.
 
 [Note: recovery after an exception]
 An exception inside a forward or backward (a user hook, an op, out of memory) leaves a pass
@@ -402,19 +414,70 @@ class Engine(GradPath, UserGrads):
         raise NotImplementedError
 
     def state_dict(self, full: bool = True) -> dict[str, torch.Tensor]:
-        """6. The unwrapped model's state_dict (same keys), fp32 master values where they exist.
+        """6. The unwrapped model's state_dict (same keys, same order), fp32 master values where they exist.
 
-        Params are whole at stages 0-2, so `full` changes nothing. Under mixed precision the fp32
-        masters are sharded at stages 1-2: they are all-gathered, so every rank must call this.
+        Every value a fresh tensor (a tied parameter's names each get their own). Params are whole at
+        stages 0-2, so `full` changes nothing. Built from `full_state_items`, so it is a collective
+        wherever that is (masters sharded at stages 1-2, everything at stage 3): every rank calls it.
         """
-        sd = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        if self.policy.needs_master:
-            for fp, master in zip(self.trainable, self.optimizer.master_shards):
-                if self.stage > 0:  # this rank's shard: gathered into a transient (padded_numel,) fp32 buffer
-                    master_shard, master = master, fp.new_flat(torch.float32)
-                    self.comm.all_gather(master, master_shard, phase="state_dict", label=f"fp32 master of {fp.label}")
-                fp.write_into_state_dict(sd, master)
-        return sd
+        values = {name: t.clone() for name, t in self.full_state_items()}
+        return {name: values[name] for name in self.module.state_dict(keep_vars=True)}
+
+    def full_state_items(self, rank0_only: bool = False) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """6. (name, tensor) for every state_dict key, one flat param gathered at a time: [Note: the full
+        state, one flat param at a time]. A collective: every rank iterates it to the end.
+
+        Each flat param's parameters come in layout order (a tied parameter under each of its
+        names), then the buffers in state_dict order. A value is a view, of a (padded_numel,)
+        buffer gathered for this flat param alone or of the engine's own storage (stage 0's
+        params, the buffers): read it, or clone it to keep it, and drop it before asking for the
+        next (a value still held keeps its gathered buffer alive beside the next one). With
+        `rank0_only` every other rank gets None for each value (it still takes part in every gather).
+        """
+        keep = not rank0_only or self.comm.world_rank == 0
+        masters = self._masters_by_index()
+        in_flat: set[int] = set()
+        for fp in self.flat_params:
+            source, sharded = self.full_flat_source(fp, masters)
+            flat = source
+            if sharded:  # (shard_numel,) -> a transient (padded_numel,) buffer of its own
+                what = "fp32 master" if source is masters.get(fp.index) else "params"
+                flat = torch.empty(fp.padded_numel, dtype=source.dtype, device=source.device)
+                self.comm.all_gather(flat, source, phase="state_dict", label=f"{what} of {fp.label}")
+            for names, view, p in zip(fp.names, fp.views(flat), fp.params):
+                in_flat.add(id(p))
+                for name in names:
+                    yield name, view.detach() if keep else None
+            flat = view = None  # the gathered buffer goes before the next flat param's gather
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) not in in_flat:
+                yield name, t.detach() if keep else None
+
+    def full_state_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """6. name -> (dtype, shape) of every value `full_state_items` yields, known without a collective."""
+        masters = self._masters_by_index()
+        specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        in_flat: set[int] = set()
+        for fp in self.flat_params:
+            dtype = self.full_flat_source(fp, masters)[0].dtype
+            for names, shape, p in zip(fp.names, fp.layout.shapes, fp.params):
+                in_flat.add(id(p))
+                specs.update((name, (dtype, tuple(shape))) for name in names)
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) not in in_flat:
+                specs[name] = (t.dtype, tuple(t.shape))
+        return specs
+
+    def _masters_by_index(self) -> dict[int, torch.Tensor]:
+        """Each trainable flat param's master (a shard at stages 1-3; under fp32 the param shard), by index."""
+        return dict(zip([fp.index for fp in self.trainable], self.optimizer.master_shards))
+
+    def full_flat_source(self, fp, masters: dict[int, torch.Tensor]) -> tuple[torch.Tensor, bool]:
+        """6. Where flat param `fp`'s full values come from, and whether it is this rank's shard to all-gather.
+        Stages 0-2: the fp32 master under mixed precision (a shard at stages 1-2), else the whole flat buffer."""
+        if self.policy.needs_master and fp.index in masters:
+            return masters[fp.index], self.stage > 0
+        return self.flat_data[fp.index], False
 
     def norm_shards(self) -> list[torch.Tensor]:
         """The averaged gradient this rank sums squares over for the global norm (disjoint across ranks)."""
@@ -438,9 +501,14 @@ class Engine(GradPath, UserGrads):
         allocates its receive buffers inside each call and drops them when the call completes)."""
         return [t for reduction in self.reductions.values() for t in reduction.transient]
 
+    def kept_range(self, fp) -> tuple[int, int]:
+        """7. The elements [lo, hi) of flat param `fp`'s (padded_numel,) buffer this rank keeps, all that a
+        checkpoint load reads of it: the whole buffer at stages 0-2."""
+        return 0, fp.padded_numel
+
     def load_flat_params(self, flats: list[torch.Tensor]) -> None:
-        """7. Write full values into the stage's storage: flats[i] is flat param i's (padded_numel,) fp32 buffer.
-        Stages 0-2: every rank writes each into its whole flat buffer."""
+        """7. Write loaded values into the stage's storage: flats[i] is flat param i's range `kept_range`, fp32
+        (hi - lo,). Stages 0-2: every rank writes each into its whole flat buffer."""
         self.finish_backward()
         for fp, full in zip(self.flat_params, flats):
             self.flat_data[fp.index].copy_(full)  # cast to the param dtype; padding is zero in `full`

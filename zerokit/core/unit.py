@@ -454,23 +454,6 @@ def prefetch(units: list[Unit], upcoming: list[int], phase: str) -> None:
             unit.start_unshard(phase)
 
 
-def gather_state_dict(module: nn.Module, flat_params: list[FlatParamLayout], param_shards: list[torch.Tensor],
-                      masters: dict[int, torch.Tensor], comm) -> dict[str, torch.Tensor]:
-    """`module.state_dict()`'s keys, every parameter gathered whole from the shards into fresh buffers: the fp32
-    master where a flat param has one (`masters`, by index), else its param shard; buffers copied as they are.
-    Never reads a unit's flat_data, so it works at any point of a step. A collective."""
-    values: dict[int, torch.Tensor] = {}
-    for fp in flat_params:
-        shard = masters.get(fp.index, param_shards[fp.index])  # (shard_numel,)
-        flat = torch.empty(fp.padded_numel, dtype=shard.dtype, device=shard.device)  # (padded_numel,)
-        what = "fp32 master" if fp.index in masters else "params"
-        comm.all_gather(flat, shard, phase="state_dict", label=f"{what} of {fp.label}")
-        for p, view in zip(fp.params, fp.views(flat)):
-            values[id(p)] = view.clone()
-    return {name: values[id(t)] if id(t) in values else t.detach().clone()
-            for name, t in module.state_dict(keep_vars=True).items()}
-
-
 def packed_grads(fp: FlatParamLayout) -> torch.Tensor:
     """The params' own gradients added into a zeroed (padded_numel,) full gradient; `.grad` becomes its views
     and autograd's tensors go (stages/zero3.py [Note: gradients packed when complete])."""

@@ -98,8 +98,8 @@ from zerokit.core.gather import free_storage
 from zerokit.core.hooks import GradReadyTracker
 from zerokit.core.nest import tensors_in
 from zerokit.core.prefetch import RecordedOrder, reverse_first_calls
-from zerokit.core.unit import (Unit, eager, gather_state_dict, gathered, hand_over_all, packed_grads, prefetch,
-                               reshard_all, split_into_units)
+from zerokit.core.unit import (Unit, eager, gathered, hand_over_all, packed_grads, prefetch, reshard_all,
+                               split_into_units)
 from zerokit.optim.sharded import ShardedOptimizer
 
 
@@ -269,12 +269,16 @@ class Zero3Engine(Checkpointing, Engine):
     # 6. state_dict ----------------------------------------------------------------------
     def state_dict(self, full: bool = True) -> dict[str, torch.Tensor]:
         """The unwrapped model's state_dict (same keys), whole on every rank: the fp32 masters where they exist
-        (as at stage 0), else the param shards, gathered into fresh buffers (core/unit.py `gather_state_dict`),
-        so it works at any point of a step. A collective."""
+        (as at stage 0), else the param shards, gathered one flat param at a time (core/engine.py
+        `full_state_items`), so it works at any point of a step. A collective."""
         if not full:
             raise ValueError("Zero3Engine.state_dict supports full=True only; use engine.save() for shards")
-        masters = dict(zip([fp.index for fp in self.trainable], self.optimizer.master_shards))
-        return gather_state_dict(self.module, self.flat_params, self.param_shards, masters, self.comm)
+        return super().state_dict(full=True)
+
+    def full_flat_source(self, fp: FlatParamLayout, masters: dict[int, torch.Tensor]) -> tuple[torch.Tensor, bool]:
+        """This rank's shard to all-gather: the fp32 master where `fp` has one, else its param shard. Never a
+        unit's flat_data, so `full_state_items` works at any point of a step."""
+        return masters.get(fp.index, self.param_shards[fp.index]), True
 
     @contextlib.contextmanager
     def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
@@ -319,9 +323,14 @@ class Zero3Engine(Checkpointing, Engine):
         return sum(t.untyped_storage().nbytes() for t in self.flat_data)
 
     # 7. checkpoint hook ------------------------------------------------------------------
+    def kept_range(self, fp: FlatParamLayout) -> tuple[int, int]:
+        """Checkpoint loading reads only this rank's shard range of each flat param."""
+        return fp.shard_range
+
     def load_flat_params(self, flats: list[torch.Tensor]) -> None:
-        """Checkpoint loading: keep this rank's range of each full buffer; every unit stays sharded."""
+        """Checkpoint loading: flats[i] is this rank's (shard_numel,) range of flat param i; every unit stays
+        sharded."""
         self.finish_backward()
         reshard_all(self.units)  # the next forward gathers the loaded shards
-        for fp, full in zip(self.flat_params, flats):
-            self.param_shards[fp.index].copy_(fp.shard_of(full))  # (shard_numel,) cast to the param dtype
+        for fp, shard in zip(self.flat_params, flats):
+            self.param_shards[fp.index].copy_(shard)  # (shard_numel,) cast to the param dtype
