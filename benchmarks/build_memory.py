@@ -2,12 +2,20 @@
 
     python benchmarks/build_memory.py                      # gpt2-xl at N = 8 and 64, stages 1-3; gpt3-6.7b at 64
     python benchmarks/build_memory.py --quick              # gpt2-small only (a smoke run, a minute)
+    python benchmarks/build_memory.py --ranks              # 4 real gloo ranks, every phase, resumed at 2 and 8
 
 Each configuration is one fresh process running `zerokit memory --simulate ... --json`, so every peak is
 that process's own (commands/memory.py `simulate_rank`: the resident set's high-water mark per phase, beside
 the bound = process baseline + model states + stage-3 working set + activations). `--build eager` rows
 build the whole model first, as zk.shard required before core/materialize.py. Results, with the commands,
 date and commit: benchmarks/results/build_memory.{json,md}.
+
+`--ranks` runs real gloo ranks instead (zerokit.launch.run_ranks): 4 ranks build gpt2-small on the meta
+device at stage 3 (bf16 + AdamW), `engine.load_weights` an eager model's safetensors file, train 2 steps,
+`engine.save`; then 2 and 8 ranks each build on meta and `engine.load` that checkpoint (resume) and step.
+Every rank reports its peak resident set per phase beside the same bound; the checkpoint's model file is
+read back with plain `safetensors.torch.load_file` and compared with `engine.state_dict()`. Results:
+benchmarks/results/build_memory_ranks.{json,md}.
 """
 from __future__ import annotations
 
@@ -48,12 +56,122 @@ def run_one(model: str, world_size: int, stage: int, build: str) -> dict:
             "peaks": phases["peaks"]}
 
 
+RANKS_MODEL = "gpt2-small"
+
+
+def _meta_engine(model: str):
+    import torch
+
+    import zerokit as zk
+    from zerokit.models import GPT, Block, preset
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        net = GPT(preset(model))
+    return zk.shard(net, torch.optim.AdamW, stage=3, precision="bf16", wrap=(Block,), lr=1e-4,
+                    param_init_fn=GPT._init_weights)
+
+
+def _steps(engine, rank: int, steps: int, vocab: int) -> None:
+    import torch
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        idx = torch.randint(vocab, (1, 64), generator=g)
+        _, loss = engine(idx, idx)
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+
+
+def _rank_run(rank: int, world_size: int, model: str, weights: str, checkpoint: str, resume: bool) -> dict:
+    from zerokit.commands.memory import phase_bound
+    from zerokit.core.estimate import activation_bytes_estimate
+    from zerokit.core.ledger import PeakMeter, ledger
+    from zerokit.models import preset
+
+    cfg = preset(model)
+    meter = PeakMeter()
+    with meter.phase("build"):
+        engine = _meta_engine(model)
+    if resume:
+        with meter.phase("resume"):
+            engine.load(checkpoint)
+    else:
+        with meter.phase("load_weights"):
+            engine.load_weights(weights)
+    with meter.phase("step"):
+        _steps(engine, rank, 2, cfg.vocab_size)
+    out = ledger(engine, predicted_activations=activation_bytes_estimate(cfg, 1, "bf16", seq_len=64))
+    if not resume:
+        with meter.phase("save"):
+            engine.save(checkpoint)
+    state = engine.state_dict()  # a collective; rank 0 compares it with the file plain safetensors reads
+    plain_equal = None
+    if rank == 0 and not resume:
+        import os
+
+        import torch
+        from safetensors.torch import load_file
+
+        from zerokit.checkpoint import MODEL_FILE, committed_snapshot
+        saved = load_file(os.path.join(committed_snapshot(checkpoint), MODEL_FILE))
+        plain_equal = all(torch.equal(saved[k], v) for k, v in state.items() if k in saved) and \
+            all(k in saved or k == "lm_head.weight" for k in state)
+    bound = phase_bound(out, cfg, 3, "bf16", meter.baseline)
+    return {"baseline_bytes": meter.baseline, "bound_bytes": bound, "plain_safetensors_equal": plain_equal,
+            "peaks": {k: {"peak_bytes": v, "ratio_to_bound": v / bound, "seconds": round(meter.seconds[k], 1)}
+                      for k, v in meter.peaks.items()}}
+
+
+def run_ranks_mode(args, prov) -> int:
+    import torch
+    from safetensors.torch import save_file
+
+    from zerokit.launch import run_ranks
+    from zerokit.models import build_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = str(Path(tmp) / "weights.safetensors")
+        state = build_model(RANKS_MODEL, seed=5).state_dict()
+        save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"}, weights)  # a tie, once
+        del state
+        checkpoint = str(Path(tmp) / "ckpt")
+        runs = {}
+        for label, n, resume in (("train on 4 ranks", 4, False), ("resume on 2 ranks", 2, True),
+                                 ("resume on 8 ranks", 8, True)):
+            runs[label] = run_ranks(_rank_run, n, RANKS_MODEL, weights, checkpoint, resume, timeout_s=1800)
+            worst = {ph: max(r["peaks"][ph]["ratio_to_bound"] for r in runs[label]) for ph in runs[label][0]["peaks"]}
+            print(f"{label}: worst rank per phase (x bound): " + ", ".join(f"{k} {v:.2f}" for k, v in worst.items()))
+    lines = ["# Every phase on real gloo ranks: meta build, load_weights, train, save, resume at 2 and 8 ranks", "",
+             *provenance_lines(prov), "",
+             f"{RANKS_MODEL}, stage 3, bf16 + AdamW, 1 x 64 tokens per rank and step. Peak: each rank's resident "
+             "set high-water mark (VmHWM) in the phase; bound: that rank's process baseline + model states "
+             "(formula) + stage-3 working set + activations (zerokit/commands/memory.py `phase_bound`). "
+             "MB = 10^6 bytes.", "",
+             "| run | rank | bound MB | " + " | ".join(f"{ph} MB (x bound)" for ph in
+                                                       ("build", "load_weights", "resume", "step", "save")) + " |",
+             "|---|---|---|---|---|---|---|---|"]
+    for label, results in runs.items():
+        for r, res in enumerate(results):
+            cells = [f"{res['peaks'][ph]['peak_bytes'] / 1e6:.0f} ({res['peaks'][ph]['ratio_to_bound']:.2f}x)"
+                     if ph in res["peaks"] else "-" for ph in ("build", "load_weights", "resume", "step", "save")]
+            lines.append(f"| {label} | {r} | {res['bound_bytes'] / 1e6:.0f} | " + " | ".join(cells) + " |")
+    equal = runs["train on 4 ranks"][0]["plain_safetensors_equal"]
+    lines += ["", f"The checkpoint's model.safetensors read by plain `safetensors.torch.load_file` equals "
+              f"`engine.state_dict()` (rank 0, after the save): {equal}.", ""]
+    write_pair(args.out.with_name(args.out.name + "_ranks"), {"provenance": prov, "runs": runs}, "\n".join(lines))
+    return 0 if equal else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="gpt2-small only")
+    p.add_argument("--ranks", action="store_true", help="real gloo ranks: every phase, resumed at 2 and 8 ranks")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "build_memory")
     args = p.parse_args(argv)
     prov = provenance(command_line(__file__, argv))
+    if args.ranks:
+        return run_ranks_mode(args, prov)
     rows = []
     for model, n, stage, build in (QUICK if args.quick else FULL):
         rows.append(run_one(model, n, stage, build))

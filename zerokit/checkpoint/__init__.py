@@ -9,6 +9,8 @@ splits by seam:
                  ([Note: the commit protocol])
     loading.py   `load`: verify every file, plan which saved pieces each rank reads, install
                  ([Note: loading], [Note: hyperparameters]); `load_full_state_dict` for no process group
+    weights.py   `load_weights`: pretrained weights (safetensors, HF sharded index) read by slices
+                 ([Note: loading pretrained weights])
 
 A checkpoint of format version 1 (files directly in the directory, no checksums) is refused
 with a message.
@@ -39,3 +41,9 @@ class Checkpointing:
     def load(self, directory: str | os.PathLike) -> dict:
         """Load a checkpoint saved at any world size, stage or precision; returns its meta (with `extra`)."""
         return load(self, directory)
+
+    def load_weights(self, path: str | os.PathLike, strict: bool = True) -> dict:
+        """Pretrained weights (a .safetensors file, a directory with model.safetensors, or a Hugging Face index),
+        each rank reading only the ranges it keeps; optimizer state starts afresh (checkpoint/weights.py)."""
+        from zerokit.checkpoint.weights import load_weights
+        return load_weights(self, path, strict=strict)
