@@ -317,3 +317,30 @@ def test_directories_without_a_pointer_are_refused_with_the_fix(tmp_path):
     (old / META_FILE).write_text(json.dumps({"format": FORMAT, "version": 1}))
     with pytest.raises(ValueError, match="format version 1 without current.json.*save it again"):
         open_checkpoint(str(old))
+
+
+def test_safetensors_reader_reads_what_safe_open_reads_and_refuses_a_truncated_file(tmp_path):
+    """format.py [Note: reading without mapping]: the same tensors and row slices as safe_open, every dtype."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from zerokit.checkpoint.format import SafetensorsReader
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(5, 3, generator=g), "h": torch.randn(4, 2, generator=g).to(torch.bfloat16),
+               "i": torch.arange(6, dtype=torch.int64).reshape(3, 2), "s": torch.tensor(2.5), "b": torch.ones(0),
+               "u": torch.arange(7, dtype=torch.uint8)}
+    path = str(tmp_path / "t.safetensors")
+    save_file(tensors, path)
+    with SafetensorsReader(path) as mine, safe_open(path, framework="pt") as theirs:
+        assert sorted(mine.keys()) == sorted(theirs.keys())
+        for key in tensors:
+            assert mine.get_slice(key).get_shape() == list(theirs.get_slice(key).get_shape())
+            a, b = mine.get_tensor(key), theirs.get_tensor(key)
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), key
+        assert torch.equal(mine.get_slice("w")[1:4], theirs.get_slice("w")[1:4])
+        assert torch.equal(mine.get_slice("u")[2:5], tensors["u"][2:5])
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:-8])
+    with pytest.raises(ValueError, match="ends past the end of the file"):
+        SafetensorsReader(path)

@@ -56,6 +56,7 @@ import json
 import os
 import re
 import secrets
+import struct
 import time
 from dataclasses import dataclass
 
@@ -483,3 +484,87 @@ def _refuse_without_pointer(directory: str, pointer_path: str) -> None:
     raise ValueError(f"{meta_path}: a zerokit checkpoint of format version {version!r} without {POINTER_FILE}; "
                      f"this zerokit reads format version {VERSION} (a committed snapshot, every file checksummed) "
                      "only: load it with the zerokit that wrote it and save it again")
+
+
+# ====================================================================== reading ranges of a safetensors file
+class SafetensorsReader:
+    """A safetensors file read by byte ranges, not mapped: `keys()`, `get_slice(key).get_shape()`,
+    `get_slice(key)[i:j]` (rows i..j of the first dimension) and `get_tensor(key)`, as `safe_open` has them.
+
+    [Note: reading without mapping]
+    safetensors' `safe_open` maps the file, and every page a read touches then counts in the process's
+    resident set until the file is closed: a rank reading its 1/N of the model file and of the rank
+    files would show those bytes twice, once as the tensors it made and once as mapped file pages.
+    This reader parses the header itself (8-byte little-endian length, JSON: dtype, shape,
+    data_offsets per tensor) and reads exactly the requested bytes with one `readinto` into the tensor
+    it returns, so what a load holds is what it made. An offset outside the file is refused naming it.
+    """
+
+    _TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
+    def __init__(self, path: str):
+        self.path = path
+        self._file = open(path, "rb")
+        try:
+            size = os.fstat(self._file.fileno()).st_size
+            (n,) = struct.unpack("<Q", self._file.read(8))
+            if n > size - 8:
+                raise ValueError(f"header length {n} exceeds the file's {size} bytes")
+            header = json.loads(self._file.read(n))
+            self._data_start = 8 + n
+            self._entries = {k: v for k, v in header.items() if k != "__metadata__"}
+            for key, entry in self._entries.items():
+                if entry["dtype"] not in self._TORCH_DTYPES:
+                    raise ValueError(f"tensor {key!r} has dtype {entry['dtype']}, which zerokit does not read")
+                if self._data_start + entry["data_offsets"][1] > size:
+                    raise ValueError(f"tensor {key!r} ends past the end of the file (truncated?)")
+        except Exception:
+            self._file.close()
+            raise
+
+    def __enter__(self) -> "SafetensorsReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._file.close()
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def get_slice(self, key: str) -> "_RowSlice":
+        if key not in self._entries:
+            raise KeyError(f"{self.path} has no tensor {key!r}")
+        return _RowSlice(self, key)
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        shape = self._entries[key]["shape"]
+        return self._read(key, 0, shape[0] if shape else 1).reshape(shape)
+
+    def _read(self, key: str, first: int, last: int) -> torch.Tensor:
+        """Rows [first, last) of the first dimension (a 0-d tensor: its one element), as (rows, *rest)."""
+        entry = self._entries[key]
+        dtype, shape = self._TORCH_DTYPES[entry["dtype"]], list(entry["shape"])
+        row = 1
+        for d in shape[1:]:
+            row *= d
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        out = torch.empty(max(last - first, 0) * row * itemsize, dtype=torch.uint8)
+        self._file.seek(self._data_start + entry["data_offsets"][0] + first * row * itemsize)
+        if out.numel() and self._file.readinto(memoryview(out.numpy())) != out.numel():
+            raise ValueError(f"{self.path}: tensor {key!r} is cut short (truncated file?)")
+        return out.view(dtype).reshape([max(last - first, 0)] + shape[1:])
+
+
+class _RowSlice:
+    def __init__(self, reader: SafetensorsReader, key: str):
+        self.reader, self.key = reader, key
+
+    def get_shape(self) -> list[int]:
+        return list(self.reader._entries[self.key]["shape"])
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        shape = self.get_shape()
+        if not isinstance(rows, slice) or rows.step not in (None, 1) or not shape:
+            raise TypeError("SafetensorsReader slices rows of the first dimension only: [i:j]")
+        first, last, _ = rows.indices(shape[0])
+        return self.reader._read(self.key, first, max(first, last))

@@ -30,12 +30,11 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
-from safetensors import safe_open
 
 from zerokit.checkpoint.commit import raise_on_every_rank
 from zerokit.checkpoint.format import (
-    MASTER, MODEL_FILE, Snapshot, json_number, master_start, open_checkpoint, parse_piece_key, rank_file,
-    trainable_with_masters, verify_file)
+    MASTER, MODEL_FILE, SafetensorsReader, Snapshot, json_number, master_start, open_checkpoint, parse_piece_key,
+    rank_file, trainable_with_masters, verify_file)
 
 
 @dataclass
@@ -117,9 +116,10 @@ def load_full_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor
 
 @contextlib.contextmanager
 def _open_safetensors(path: str):
-    """safe_open, with any failure to open (truncated, not safetensors) reported under the file's name."""
+    """The file opened for reading by ranges, with any failure to open (truncated, not safetensors) reported
+    under the file's name."""
     try:
-        handle = safe_open(path, framework="pt")
+        handle = SafetensorsReader(path)  # by byte ranges, not mapped: format.py [Note: reading without mapping]
     except Exception as exc:
         raise ValueError(f"{path}: cannot read it ({type(exc).__name__}: {exc})") from exc
     with handle as f:

@@ -27,7 +27,7 @@ import os
 import torch
 
 from zerokit.checkpoint.commit import raise_if_any
-from zerokit.checkpoint.format import master_start, trainable_with_masters
+from zerokit.checkpoint.format import SafetensorsReader, master_start, trainable_with_masters
 from zerokit.checkpoint.loading import _read_flat_range
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -36,8 +36,6 @@ SINGLE_FILE = "model.safetensors"
 
 def weight_files(path: str | os.PathLike) -> dict[str, str]:
     """key -> the file holding it, for a .safetensors file, a directory with model.safetensors, or an HF index."""
-    from safetensors import safe_open
-
     path = os.fspath(path)
     if os.path.isdir(path):
         index = os.path.join(path, INDEX_FILE)
@@ -53,7 +51,7 @@ def weight_files(path: str | os.PathLike) -> dict[str, str]:
         path = single
     elif not os.path.isfile(path):
         raise ValueError(f"{path}: no such file or directory")
-    with safe_open(path, framework="pt") as f:
+    with SafetensorsReader(path) as f:
         return {key: path for key in f.keys()}
 
 
@@ -84,8 +82,6 @@ def load_weights(engine, path: str | os.PathLike, strict: bool = True) -> dict[s
 
 def _plan(engine, path, strict: bool):
     """Check every key, then read this rank's ranges: (per flat param its kept range in fp32, buffers, report)."""
-    from safetensors import safe_open
-
     from zerokit.core.flat_param import is_packed
     from zerokit.lora import lora_modules
 
@@ -103,13 +99,11 @@ def _plan(engine, path, strict: bool):
 
 
 def _read_ranges(engine, path, strict: bool, where: dict[str, str], adapters: set[str], files: dict):
-    from safetensors import safe_open
-
     def handle(file: str):
         if file not in files:
             if not os.path.isfile(file):
                 raise ValueError(f"{file} (named by {INDEX_FILE}) is missing")
-            files[file] = safe_open(file, framework="pt").__enter__()
+            files[file] = SafetensorsReader(file)  # by byte ranges, not mapped (format.py)
         return files[file]
 
     # 1. every key and shape, before any value is read
