@@ -203,6 +203,20 @@ def train_zerokit(rank: int, world_size: int, stage: int, optimizer_cls, opt_kwa
     return torch.stack(losses), engine.state_dict(full=True), engine
 
 
+def train_on_tokens(engine, steps: int, seed: int, vocab: int) -> list[float]:
+    """`steps` plain training steps of a GPT engine on random (2, 8) token batches from `seed`: the losses."""
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        idx = torch.randint(0, vocab, (2, 8), generator=g)
+        _, loss = engine(idx, idx)
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def allocations_while(fn) -> list[tuple[int, str]]:
     """(bytes, op) of every allocation torch.profiler sees while `fn` runs: this thread's, and gloo's worker
     threads' (they run a collective with the issuing thread's profiler state)."""

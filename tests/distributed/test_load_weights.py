@@ -16,6 +16,8 @@ import zerokit as zk
 from zerokit.launch import run_ranks
 from zerokit.models import GPT, Block, preset
 
+from common import train_on_tokens
+
 
 def _write_hf_index(directory: str, state: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
@@ -27,19 +29,6 @@ def _write_hf_index(directory: str, state: dict[str, torch.Tensor]) -> None:
         save_file({k: state[k].contiguous() for k in part}, os.path.join(directory, name))
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": {k: name for name, part in halves.items() for k in part}}, f)
-
-
-def _train(engine, rank: int) -> list[float]:
-    g = torch.Generator().manual_seed(20 + rank)
-    losses = []
-    for _ in range(2):
-        idx = torch.randint(0, 64, (2, 8), generator=g)
-        _, loss = engine(idx, idx)
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def _meta_engine(stage: int, precision: str):
@@ -78,7 +67,8 @@ def _cases(rank: int, world_size: int, root: str) -> dict:
             a, b = reference.state_dict(), loaded.state_dict()
             start_equal = all(torch.equal(a[k], b[k]) for k in a)
             out[(stage, precision)] = dict(start_equal=start_equal, report=report,
-                                           losses_equal=_train(reference, rank) == _train(loaded, rank),
+                                           losses_equal=(train_on_tokens(reference, 2, 20 + rank, 64)
+                                                         == train_on_tokens(loaded, 2, 20 + rank, 64)),
                                            end_equal=all(torch.equal(v, loaded.state_dict()[k])
                                                          for k, v in reference.state_dict().items()))
     for name, path in (("bad_shape", bad_shape), ("missing", missing), ("extra", extra)):

@@ -14,6 +14,8 @@ import zerokit as zk
 from zerokit.launch import run_ranks
 from zerokit.models import GPT, Block, preset
 
+from common import train_on_tokens
+
 STEPS = 3
 
 
@@ -24,15 +26,7 @@ def _train(rank: int, stage: int, meta: bool) -> tuple[list[float], dict]:
     engine = zk.shard(model, torch.optim.AdamW, stage=stage, wrap=(Block,), lr=1e-2,
                       param_init_fn=GPT._init_weights if meta else None)
     start = {k: v.clone() for k, v in engine.state_dict().items()}
-    g = torch.Generator().manual_seed(10 + rank)
-    losses = []
-    for _ in range(STEPS):
-        idx = torch.randint(0, model.cfg.vocab_size, (2, 8), generator=g)
-        _, loss = engine(idx, idx)
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        losses.append(loss.item())
+    losses = train_on_tokens(engine, STEPS, seed=10 + rank, vocab=model.cfg.vocab_size)
     return losses, start, {k: v.clone() for k, v in engine.state_dict().items()}
 
 

@@ -12,6 +12,8 @@ from torch import nn
 import zerokit as zk
 from zerokit.models import GPT, Block, preset
 
+from common import train_on_tokens
+
 
 class TorchModules(nn.Module):
     """torch's built-in modules with their own reset_parameters (MultiheadAttention reaches into its child)."""
@@ -127,15 +129,7 @@ def test_meta_build_trains_as_eager():
             model = _gpt()
         engine = zk.shard(model, torch.optim.AdamW, stage=3, precision="bf16", wrap=(Block,), lr=1e-3,
                           param_init_fn=GPT._init_weights if meta else None)
-        g = torch.Generator().manual_seed(1)
-        run = []
-        for _ in range(3):
-            idx = torch.randint(0, model.cfg.vocab_size, (2, 8), generator=g)
-            _, loss = engine(idx, idx)
-            engine.backward(loss)
-            engine.step()
-            engine.zero_grad()
-            run.append(loss.item())
+        run = train_on_tokens(engine, 3, seed=1, vocab=model.cfg.vocab_size)
         losses.append((run, {k: v.clone() for k, v in engine.state_dict().items()}))
     assert losses[0][0] == losses[1][0]
     for k, v in losses[0][1].items():

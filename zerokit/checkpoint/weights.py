@@ -70,11 +70,10 @@ def load_weights(engine, path: str | os.PathLike, strict: bool = True) -> dict[s
         module_state = engine.module.state_dict(keep_vars=True)
         for name, value in buffers.items():
             module_state[name].copy_(value)
-        index_of = {fp.index: i for i, fp in enumerate(engine.flat_params)}
-        for fp, master in trainable_with_masters(engine):
+        for fp, master in trainable_with_masters(engine):  # kept[i] is flat param i's (fp.index: its position)
             lo, _hi = engine.kept_range(fp)
             at = master_start(fp, master) - lo
-            master.copy_(kept[index_of[fp.index]][at:at + master.numel()])  # fp32, exact (fp32: the param shard)
+            master.copy_(kept[fp.index][at:at + master.numel()])  # fp32, exact (fp32: the param shard)
             engine.optimizer.set_state(master, {})  # as before a first step
     engine.zero_grad()
     return report

@@ -194,6 +194,7 @@ class DeferredInit:
         self.placeholders: dict[int, nn.Parameter] = {}  # id(meta Parameter) -> the placeholder in its slots
         self.originals: dict[int, nn.Parameter] = {}  # id(placeholder) -> the meta Parameter it stands for
         # id(parameter) -> its first slot (id(module), key) in registration order: the owner of a tie
+        self.name_of = {id(p): n for n, p in module.named_parameters()}  # the meta Parameters' first names
         self.first_slot: dict[int, tuple[int, str]] = {}
         for mod in module.modules():
             for key, p in mod._parameters.items():
@@ -287,9 +288,7 @@ class DeferredInit:
                 mod._buffers[key] = b.to(self.device)
 
     def _names_of(self, ids: set[int]) -> list[str]:
-        if not hasattr(self, "_name_of"):
-            self._name_of = {id(p): n for n, p in self.module.named_parameters()}
-        return sorted(self._name_of[i] for i in ids)
+        return sorted(self.name_of[i] for i in ids)
 
     def _run(self, m: nn.Module, fn, rng: torch.Tensor | None, targets: dict[int, nn.Parameter] | None,
              tries: tuple[bool, ...]) -> tuple[set[int], bool]:
