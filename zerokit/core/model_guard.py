@@ -9,7 +9,10 @@ anything out, and then:
     same bits, and refuses a model with nothing to train. Each check is one fixed-size
     exchange of a digest in the common case; only on a mismatch are the details exchanged, to
     name the first difference and the rank that has it. A refusal is raised on every rank,
-    before any collective that could hang on the mismatch ([Note: agreement before training]);
+    before any collective that could hang on the mismatch ([Note: agreement before training]).
+    A model built on the meta device is prepared after the signature check (core/materialize.py):
+    its parameters are neither broadcast nor checksummed, since every rank computes rank 0's
+    values, and the ranks agree on a digest of its init instead;
   * before each `engine(...)` forward (`before_forward`) and each step (`before_step`): the
     parameters and buffers must still have the dtype, device and storage the engine built
     them with ([Note: a model changed under the engine]); and, before the forward, the buffers
