@@ -20,11 +20,12 @@ import torch.distributed as dist
 from torch import nn
 
 from zerokit.core.comm import Comm, Simulated
+from zerokit.core.deferred import deferred_init
 from zerokit.core.config import DEFAULT_BUCKET_NUMEL, ShardConfig, check_optimizer_kwargs, default_bucket_numel
 from zerokit.core.hybrid import HybridComm, check_shard_group_size, hybrid_groups
 from zerokit.core.precision import LossScaler, make_policy
 
-__all__ = ["init_distributed", "shard", "hybrid_groups", "estimate", "lora", "quantize", "dequantized_state_dict", "Comm", "HybridComm", "Simulated",
+__all__ = ["init_distributed", "shard", "deferred_init", "hybrid_groups", "estimate", "lora", "quantize", "dequantized_state_dict", "Comm", "HybridComm", "Simulated",
            "STAGES"]
 
 # stage -> "module:Class"; each stage file stands on its own.

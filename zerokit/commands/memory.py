@@ -195,9 +195,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --simulate: tokens in the one training sequence (default 8)")
     parser.add_argument("--device", default=None,
                         help="with --simulate: where the model lives (default cuda if available, else cpu)")
-    parser.add_argument("--build", choices=("meta", "eager"), default="meta",
+    parser.add_argument("--build", choices=("meta", "deferred", "eager"), default="meta",
                         help="with --simulate: build the model on the meta device and let zk.shard initialize it one "
-                             "unit at a time (meta, the default), or build it whole first (eager)")
+                             "unit at a time (meta, the default), record its construction with zk.deferred_init() "
+                             "(deferred), or build it whole first (eager)")
 
 
 def simulate_rank(model: "str | GPTConfig", world_size: int, stage: int, precision: str = "bf16", optimizer: str = "adam",
@@ -211,8 +212,9 @@ def simulate_rank(model: "str | GPTConfig", world_size: int, stage: int, precisi
     forward, backward and optimizer step), measured by `core.ledger.PeakMeter`, beside the bound
     `phase_bound` computes. `build="meta"` (the default) builds the model on the meta device and lets
     zk.shard initialize it one flat param at a time (core/materialize.py); "eager" builds it whole
-    first, as a user without meta-device init would (LoRA needs "eager": its adapters are drawn after
-    the base model's init, which a meta build cannot replay). Activations are measured around the
+    first, as a user without meta-device init would; "deferred" records the construction under
+    zk.deferred_init() (core/deferred.py) and works with LoRA, whose adapters are then drawn for real
+    after the recorded base (a meta build cannot replay them). Activations are measured around the
     forward and backward (saved tensors on CPU, the allocator on CUDA) and predicted with
     `activation_bytes_estimate`.
     """
@@ -225,10 +227,11 @@ def simulate_rank(model: "str | GPTConfig", world_size: int, stage: int, precisi
     cfg = preset(model) if isinstance(model, str) else model
     if not 1 <= seq_len <= cfg.block_size:
         raise ValueError(f"seq_len must be in [1, {cfg.block_size}] for model {model!r}, got {seq_len}")
-    if build not in ("meta", "eager"):
-        raise ValueError(f"build must be 'meta' or 'eager', got {build!r}")
+    if build not in ("meta", "deferred", "eager"):
+        raise ValueError(f"build must be 'meta', 'deferred' or 'eager', got {build!r}")
     if lora and build == "meta":
-        raise ValueError("--lora needs --build eager: LoRA's adapters are drawn after the base model's init")
+        raise ValueError("--lora needs --build deferred or eager: LoRA's adapters are drawn after the base model's "
+                         "init, which a meta build cannot replay")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
     optimizer_cls, kwargs = optimizer_for(optimizer)
@@ -244,8 +247,16 @@ def simulate_rank(model: "str | GPTConfig", world_size: int, stage: int, precisi
                 engine = zk.shard(net, optimizer_cls, stage=stage, precision=precision, comm=comm, wrap=(Block,),
                                   param_init_fn=GPT._init_weights, **shard_kwargs, **kwargs)
         else:
-            net = build_model(cfg).to(device)
-            if lora:
+            if build == "deferred":
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(0)
+                    with zk.deferred_init():
+                        net = GPT(cfg)
+                    if lora:
+                        zk.lora.inject(net, targets=("q", "v"), rank=8, alpha=1.0)
+            else:
+                net = build_model(cfg).to(device)
+            if lora and build == "eager":
                 zk.lora.inject(net, targets=("q", "v"), rank=8, alpha=1.0)
             engine = zk.shard(net, optimizer_cls, stage=stage, precision=precision, comm=comm, wrap=(Block,),
                               **shard_kwargs, **kwargs)

@@ -57,6 +57,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from zerokit.core import deferred as recorded
+from zerokit.core.deferred import is_lazy
+
 _PENDING = "_zerokit_deferred"  # a placeholder's attribute: the DeferredInit that will fill it, until it has
 
 INIT_FIX = ("give it values in its module's reset_parameters() (torch's convention), or in a "
@@ -98,6 +101,12 @@ def init_device(comm) -> torch.device:
 
 
 def has_meta_state(module: nn.Module) -> bool:
+    """Some parameter or buffer is on the meta device (replayed) or recorded by zk.deferred_init (core/deferred.py)."""
+    return any(t.is_meta or is_lazy(t) for t in module.parameters()) or any(t.is_meta or is_lazy(t)
+                                                                           for t in module.buffers())
+
+
+def _has_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
 
@@ -215,13 +224,68 @@ class DeferredInit:
         if param_init_fn is not None and not callable(param_init_fn):
             raise TypeError(f"param_init_fn must be a callable(module), got {param_init_fn!r}")
         self = cls(module, device)
-        self._agree_on_rng(world)
-        with torch.no_grad():
-            self._dry_run(param_init_fn)
+        self._agree_on_recordings(world)
+        if _has_meta(module):
+            self._agree_on_rng(world)
+            with torch.no_grad():
+                self._dry_run(param_init_fn)
+        elif param_init_fn is not None:
+            raise ValueError("zk.shard(param_init_fn=...) replays an init over a model built on the meta device; this "
+                             "model was built under zk.deferred_init(), whose recording already holds its init: "
+                             "call param_init_fn inside the deferred_init() block (model.apply(fn) records too)")
+        self._finish_recorded()
         self._install_placeholders()
         return self
 
     # -- prepare ------------------------------------------------------------------------------
+    def _agree_on_recordings(self, world) -> None:
+        """zk.deferred_init's recordings (core/deferred.py): every rank replays rank 0's generator states."""
+        self.recordings: dict[int, list[torch.Tensor]] = {}  # id(recording) -> the states to replay with
+        order = []
+        for _mod, _kind, _key, t in self._slots(self.module, recurse=True):
+            if is_lazy(t) and id(t._zk_root.recording) not in self.recordings:
+                self.recordings[id(t._zk_root.recording)] = t._zk_root.recording.states
+                order.append(t._zk_root.recording)
+        if not order:
+            return
+        shape = [(len(r.states), r.digest()) for r in order]
+        self.digest ^= hash(tuple(shape)) & ((1 << 62) - 1)
+        if world is None or not world.distributed:
+            return
+        everyone = world.all_gather_object(shape, label="the deferred_init recordings (ops and draws)", phase="init")
+        if any(theirs != shape for theirs in everyone):
+            raise ValueError("zk.shard: the model recorded by zk.deferred_init() differs between ranks (its ops or "
+                             "random draws): every rank must build the same model the same way")
+        on = torch.device("cuda", torch.cuda.current_device()) if world.backend == "nccl" else torch.device("cpu")
+        for r in order:
+            if not r.states:
+                continue
+            states = torch.stack(r.states).to(on)  # (draws, 5056) uint8: rank 0's generator before each draw
+            world.broadcast(states, src=0, phase="init", label="the deferred_init generator states")
+            self.recordings[id(r)] = [s.clone() for s in states.cpu()]  # each its own storage
+
+    def _value(self, t: torch.Tensor) -> torch.Tensor:
+        return recorded.value(t, self.recordings[id(t._zk_root.recording)])
+
+    def _finish_recorded(self) -> None:
+        """Recorded buffers and plain tensor attributes get their values now (small, replicated); recorded
+        parameters that nothing wrote (a bare torch.empty) are refused, as on meta."""
+        missing = []
+        for name, p in self.module.named_parameters():
+            if is_lazy(p) and recorded.never_written(p):
+                missing.append(f"parameter {name!r}")
+        if missing:
+            raise ValueError(f"zk.shard: {', '.join(missing[:6])} {'was' if len(missing) == 1 else 'were'} recorded by "
+                             f"zk.deferred_init() as uninitialized memory (torch.empty with nothing writing it): "
+                             f"{INIT_FIX}, inside the deferred_init() block")
+        for mod in self.module.modules():
+            for key, b in list(mod._buffers.items()):
+                if is_lazy(b):
+                    mod._buffers[key] = self._value(b).to(self.device)
+            for key, v in list(vars(mod).items()):
+                if is_lazy(v):  # a tensor kept as a plain attribute (HF's rotary original_inv_freq)
+                    setattr(mod, key, self._value(v).to(self.device))
+
     def _agree_on_rng(self, world) -> None:
         """Every rank draws from rank 0's CPU generator state ([Note: the same bits as an eager build])."""
         if world is None or not world.distributed:
@@ -269,7 +333,7 @@ class DeferredInit:
             written |= wrote
             record.append((name, self._names_of(wrote), hashlib.blake2b(after.numpy().tobytes(), digest_size=8).hexdigest()))
         self.end_rng = torch.get_rng_state()
-        self.digest = int.from_bytes(hashlib.blake2b(repr(record).encode(), digest_size=8).digest(), "little", signed=True)
+        self.digest ^= int.from_bytes(hashlib.blake2b(repr(record).encode(), digest_size=8).digest(), "little", signed=True)
         # Refuse what nothing initialized, before any flat param is allocated.
         missing = [f"parameter {n!r}" for n, p in self.module.named_parameters() if p.is_meta and id(p) not in written]
         missing += [f"buffer {n!r}" for n, b in self.module.named_buffers() if id(b) in made and not _written(*made[id(b)])]
@@ -345,12 +409,13 @@ class DeferredInit:
     def _install_placeholders(self) -> None:
         """Put a 0-byte Parameter of the right shape in every meta parameter's slots (ties kept by identity)."""
         for mod, kind, key, t in list(self._slots(self.module, recurse=True)):
-            if kind != "_parameters" or not t.is_meta:
+            if kind != "_parameters" or not (t.is_meta or is_lazy(t)):
                 continue
             new = self.placeholders.get(id(t))
             if new is None:
                 new = nn.Parameter(placeholder(t.shape, t.dtype, self.device), requires_grad=t.requires_grad)
-                new.__dict__.update(t.__dict__)  # attributes set on the parameter stay
+                new.__dict__.update({k: v for k, v in t.__dict__.items()  # attributes set on the parameter stay
+                                     if not k.startswith("_zk_")})
                 self.placeholders[id(t)] = new
                 self.originals[id(new)] = t
                 setattr(new, _PENDING, self)
@@ -370,6 +435,14 @@ class DeferredInit:
         # Each call writes straight into the flat param's view when the dtypes agree (no second copy of the unit).
         targets = {i: nn.Parameter(view if view.dtype == p.dtype else _sentinel(p.shape, p.dtype), p.requires_grad)
                    for i, (p, view) in wanted.items()}
+        for i, (p, view) in list(wanted.items()):
+            original = self.originals[id(p)]
+            if is_lazy(original):  # recorded by zk.deferred_init: computed from its recording
+                view.copy_(self._value(original))
+                del wanted[i]
+                delattr(p, _PENDING)
+        if not wanted:
+            return
         restore = self._show_originals()
         try:
             with torch.no_grad():

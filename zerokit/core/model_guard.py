@@ -63,6 +63,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from zerokit.core.flat_param import ParamInfo, is_packed, unique_params
+from zerokit.core.deferred import is_lazy
 from zerokit.core.materialize import DeferredInit, init_device, is_deferred
 
 _CHECKSUM_CHUNK = 1 << 20  # elements widened to int64 at a time when checksumming
@@ -170,8 +171,10 @@ class ModelGuard:
         if not infos and not problems:
             problems.append("the model has no parameters")
         signature = ([("parameter", i.names[0], tuple(i.param.shape), str(i.param.dtype), i.param.requires_grad)
-                      + (("on meta",) if i.param.is_meta else ()) for i in infos],
-                     [("buffer", name, tuple(b.shape), str(b.dtype)) + (("on meta",) if b.is_meta else ())
+                      + (("on meta",) if i.param.is_meta else ("recorded",) if is_lazy(i.param) else ())
+                      for i in infos],
+                     [("buffer", name, tuple(b.shape), str(b.dtype))
+                      + (("on meta",) if b.is_meta else ("recorded",) if is_lazy(b) else ())
                       for name, b in unique_buffers(self.module)])
         if self._agree(_digest(signature), bool(problems), "the model check (names, shapes, dtypes)"):
             return infos
