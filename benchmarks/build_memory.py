@@ -2,13 +2,16 @@
 
     python benchmarks/build_memory.py                      # gpt2-xl at N = 8 and 64, stages 1-3; gpt3-6.7b at 64
     python benchmarks/build_memory.py --quick              # gpt2-small only (a smoke run, a minute)
+    python benchmarks/build_memory.py --deferred           # the same rows recorded by zk.deferred_init()
     python benchmarks/build_memory.py --ranks              # 4 real gloo ranks, every phase, resumed at 2 and 8
 
 Each configuration is one fresh process running `zerokit memory --simulate ... --json`, so every peak is
 that process's own (commands/memory.py `simulate_rank`: the resident set's high-water mark per phase, beside
 the bound = process baseline + model states + stage-3 working set + activations). `--build eager` rows
 build the whole model first, as zk.shard required before core/materialize.py. Results, with the commands,
-date and commit: benchmarks/results/build_memory.{json,md}.
+date and commit: benchmarks/results/build_memory.{json,md}. `--deferred` runs gpt2-xl at N = 64 (stages
+1-3) and gpt3-6.7b built under zk.deferred_init() (core/deferred.py) instead: results in
+benchmarks/results/build_memory_deferred.{json,md}.
 
 `--ranks` runs real gloo ranks instead (zerokit.launch.run_ranks): 4 ranks build gpt2-small on the meta
 device at stage 3 (bf16 + AdamW), `engine.load_weights` an eager model's safetensors file, train 2 steps,
@@ -36,6 +39,8 @@ FULL = [("gpt2-xl", 8, 1, "meta"), ("gpt2-xl", 8, 2, "meta"), ("gpt2-xl", 8, 3, 
         ("gpt2-xl", 64, 1, "meta"), ("gpt2-xl", 64, 2, "meta"), ("gpt2-xl", 64, 3, "meta"),
         ("gpt2-xl", 64, 3, "eager"), ("gpt3-6.7b", 64, 3, "meta")]
 QUICK = [("gpt2-small", 8, 3, "meta"), ("gpt2-small", 8, 3, "eager")]
+DEFERRED = [("gpt2-xl", 64, 1, "deferred"), ("gpt2-xl", 64, 2, "deferred"), ("gpt2-xl", 64, 3, "deferred"),
+            ("gpt3-6.7b", 64, 3, "deferred")]
 
 
 def run_one(model: str, world_size: int, stage: int, build: str) -> dict:
@@ -167,18 +172,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="gpt2-small only")
     p.add_argument("--ranks", action="store_true", help="real gloo ranks: every phase, resumed at 2 and 8 ranks")
+    p.add_argument("--deferred", action="store_true", help="gpt2-xl and gpt3-6.7b recorded by zk.deferred_init()")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "build_memory")
     args = p.parse_args(argv)
     prov = provenance(command_line(__file__, argv))
     if args.ranks:
         return run_ranks_mode(args, prov)
     rows = []
-    for model, n, stage, build in (QUICK if args.quick else FULL):
+    if args.deferred and args.out.name == "build_memory":
+        args.out = args.out.with_name("build_memory_deferred")
+    for model, n, stage, build in (QUICK if args.quick else DEFERRED if args.deferred else FULL):
         rows.append(run_one(model, n, stage, build))
         r = rows[-1]
         print(f"{model} N={n} stage {stage} {build}: " + ", ".join(
             f"{k} {v['peak_bytes'] / 1e9:.2f} GB ({v['ratio_to_bound']:.2f} x bound)" for k, v in r["peaks"].items()))
-    lines = ["# Peak memory per phase of one simulated rank: built on the meta device or eagerly", "",
+    title = "recorded by zk.deferred_init()" if args.deferred else "built on the meta device or eagerly"
+    lines = [f"# Peak memory per phase of one simulated rank: {title}", "",
              *provenance_lines(prov), "",
              "One process plays rank 0 of N (`Comm(simulate=Simulated(0, N))`), bf16 + AdamW, one step on 1 x 8 "
              "tokens. Peak: the resident set's high-water mark (VmHWM) in each phase; bound: process baseline + "

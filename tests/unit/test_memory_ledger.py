@@ -108,3 +108,16 @@ def test_simulated_rank_of_64_matches_formula(model, stage, precision):
         total = sum(result["measured"][c] for c in ("params", "grads", "master_params", "optimizer_states"))
         assert math.isclose(total, per_elt * psi / 64, rel_tol=WITHIN)
     assert result["measured"]["activations"] > 0
+
+
+@pytest.mark.parametrize("build", ["meta", "deferred", "eager"])
+def test_simulated_rank_builds_give_the_same_states(build):
+    """--build meta, deferred and eager give the same model states and report both phases; LoRA needs a real
+    or recorded base (a meta build cannot replay adapters drawn after the base's init)."""
+    result = simulate_rank(MID, 64, 3, "fp32", build=build, lora=build != "meta")
+    reference = simulate_rank(MID, 64, 3, "fp32", build="eager", lora=build != "meta")
+    assert result["measured"]["master_params"] == reference["measured"]["master_params"]
+    assert set(result["phases"]["peaks"]) >= {"build", "step"}
+    if build == "meta":
+        with pytest.raises(ValueError, match="--lora needs --build deferred or eager"):
+            simulate_rank(MID, 64, 3, "fp32", build="meta", lora=True)
