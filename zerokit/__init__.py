@@ -205,7 +205,9 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
         config = dataclasses.replace(config, bucket_numel=default_bucket_numel(trainable, stage, comm.world_size))
     module_name, class_name = STAGES[stage].split(":")
     engine_cls = getattr(importlib.import_module(module_name), class_name)
-    return engine_cls(model, optimizer_cls, optimizer_kwargs, comm=comm, policy=policy, scaler=scaler, config=config)
+    engine = engine_cls(model, optimizer_cls, optimizer_kwargs, comm=comm, policy=policy, scaler=scaler, config=config)
+    engine.optimizer.attach(engine)  # engine.optimizer.step() / zero_grad() are the engine's (optim/sharded.py)
+    return engine
 
 
 def _make_comm(stage: int, group, shard_group_size: int | None, ordered: bool | None, debug: bool | None) -> Comm:

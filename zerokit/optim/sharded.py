@@ -49,6 +49,18 @@ as in one call; what changes is that its step hooks fire once per chunk, and an 
 keeps a count of its own across parameters would count chunks. Without a cast (fp32, or
 gradients reduced in fp32) there is one call, as before.
 
+[Note: engine.optimizer is a torch optimizer]
+`engine.optimizer` is a torch.optim.Optimizer (isinstance holds), so torch's LR schedulers and code
+written against the Optimizer interface take it unchanged: its `param_groups` are the wrapped
+optimizer's, the very dicts the step reads (a scheduler's new `lr` is the next step's), and so are
+`state` and `defaults`. Its `step()` and `zero_grad()` are the engine's (a loop holding only the
+optimizer trains the whole engine); the stages call `apply(grad_shards, clip_coef)` instead, which
+marks the step as taken for a scheduler's check. `state_dict()` / `load_state_dict()` are torch's,
+over this rank's master shards (plus the masters themselves under bf16/fp16): each rank saves and
+loads its own, at the same layout; the sharded checkpoint (engine.save / engine.load) resumes
+anywhere. Groups are fixed by zk.shard (`add_param_group` is refused) and hooks belong on
+`engine.optimizer.optimizer`.
+
 The stage passes the grad shards to every step rather than once: stage 0 under a distinct
 reduce dtype hands over the reduce-dtype buffer its all-reduce filled, for that step only.
 Checkpoints (zerokit/checkpoint/) read and write states through `state_of` / `set_state`
@@ -66,7 +78,10 @@ from zerokit.core.precision import LossScaler, PrecisionPolicy, has_inf_or_nan
 CAST_CHUNK = 8
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(torch.optim.Optimizer):
+    """[Note: engine.optimizer is a torch optimizer]: schedulers read and write `param_groups`; `step()` and
+    `zero_grad()` are the engine's; the stages call `apply(grad_shards, clip_coef)`."""
+
     def __init__(self, optimizer_cls: type[torch.optim.Optimizer], optimizer_kwargs: dict,
                  param_shards: list[torch.Tensor], options: list[dict],
                  policy: PrecisionPolicy, comm, scaler: LossScaler | None = None,
@@ -93,13 +108,88 @@ class ShardedOptimizer:
             self.optimizer = optimizer_cls(param_groups, **optimizer_kwargs)
         except TypeError as exc:
             raise TypeError(f"could not build {optimizer_cls.__name__} with {optimizer_kwargs}: {exc}") from exc
+        self._engine = None  # the engine whose step() and zero_grad() the torch-facing methods run (attach)
+
+    # torch.optim.Optimizer's face ([Note: engine.optimizer is a torch optimizer]) ------------------
+    # Optimizer.__init__ is not called: the groups, state and defaults are the wrapped optimizer's.
+    def attach(self, engine) -> None:
+        self._engine = engine
+
+    @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
+
+    @property
+    def state(self):
+        """The wrapped optimizer's state: keyed by this rank's master shards."""
+        return self.optimizer.state
+
+    def step(self, closure=None):
+        """`engine.step()`, for code holding the optimizer (a training loop, an LR scheduler's wrapper)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._engine.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """`engine.zero_grad()`: the model's gradients (and the stage's buffers), not only the masters'."""
+        self._engine.zero_grad()
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise NotImplementedError("engine.optimizer's groups are fixed by zk.shard (one per flat buffer's "
+                                  "hyperparameters): pass param_groups=fn(name, param) to zk.shard instead")
+
+    def _no_hooks(self, *args, **kwargs):
+        raise NotImplementedError("optimizer hooks on engine.optimizer are not run: register them on "
+                                  "engine.optimizer.optimizer, the wrapped optimizer over this rank's shards (its "
+                                  "step runs once per chunk of shards under a cast: [Note: a step in chunks])")
+
+    register_step_pre_hook = register_step_post_hook = _no_hooks
+    register_state_dict_pre_hook = register_state_dict_post_hook = _no_hooks
+    register_load_state_dict_pre_hook = register_load_state_dict_post_hook = _no_hooks
+
+    def state_dict(self) -> dict:
+        """torch-style: the wrapped optimizer's state_dict over this rank's shards, plus the fp32 master
+        shards when they are separate (bf16/fp16), so a load resumes bit for bit. Each rank's own: the
+        sharded checkpoint (engine.save) is the way to resume at another world size or stage."""
+        out = self.optimizer.state_dict()
+        out["zerokit"] = {"rank": self.comm.rank, "world_size": self.comm.world_size,
+                          "shard_numels": [m.numel() for m in self.master_shards]}
+        if self.policy.needs_master:
+            out["zerokit"]["masters"] = [m.detach().clone() for m in self.master_shards]
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """The inverse of `state_dict()` on the same rank of the same layout; load the model's weights first
+        (they reset the masters), then this (it restores the masters' exact fp32 values)."""
+        state_dict = dict(state_dict)
+        info = state_dict.pop("zerokit", None)
+        if info is None:
+            raise ValueError("engine.optimizer.load_state_dict: this state_dict was not written by "
+                             "engine.optimizer.state_dict() (no 'zerokit' entry); a plain torch optimizer's is "
+                             "keyed by the model's parameters, not by this rank's shards: resume with engine.load")
+        mine = {"rank": self.comm.rank, "world_size": self.comm.world_size,
+                "shard_numels": [m.numel() for m in self.master_shards]}
+        theirs = {k: info.get(k) for k in mine}
+        if theirs != mine:
+            raise ValueError(f"engine.optimizer.load_state_dict: written by rank {theirs['rank']} of "
+                             f"{theirs['world_size']} with shards {theirs['shard_numels']}, loaded on rank "
+                             f"{mine['rank']} of {mine['world_size']} with shards {mine['shard_numels']}: each "
+                             "rank loads its own, at the same layout; resume elsewhere with engine.load")
+        self.optimizer.load_state_dict(state_dict)
+        if self.policy.needs_master:
+            with torch.no_grad():
+                for master, saved in zip(self.master_shards, info["masters"]):
+                    master.copy_(saved)
 
     def found_overflow(self, grad_shards: list[torch.Tensor]) -> bool:
         """Phase 1: every rank learns whether any rank's gradient holds inf/nan. A CPU sync point."""
         local = has_inf_or_nan(grad_shards)
         return bool(self.comm.all_reduce_scalars(local.reshape(1), op="max", label="the fp16 overflow flag").item() > 0)
 
-    def step(self, grad_shards: list[torch.Tensor], clip_coef: torch.Tensor | None = None) -> bool:
+    def apply(self, grad_shards: list[torch.Tensor], clip_coef: torch.Tensor | None = None) -> bool:
         """Update the master shards from `grad_shards` (aligned with param_shards); False if fp16 skipped it.
 
         A grad shard in the master dtype is scaled in place (by the clip coefficient and the
@@ -109,6 +199,7 @@ class ShardedOptimizer:
         # Debug mode: a rank that skipped its backward's reductions meets the others here (core/recorder.py
         # [Note: debug mode]); nothing otherwise.
         self.steps_called += 1
+        self._opt_called = True  # what an LR scheduler's step() checks was called before it
         self.comm.sync_point(f"optimizer step {self.steps_called}")
         # 1. overflow (fp16 only)
         if self.scaler is not None and self.found_overflow(grad_shards):

@@ -106,7 +106,7 @@ class DDPEngine(Checkpointing, Engine):
         """Update every parameter on every rank (replicated optimizer). False if fp16 skipped it."""
         self.finish_backward()
         self.check_user_grads_before_step()
-        stepped = self.optimizer.step([self.averaged_grad(fp) for fp in self.trainable], self.take_clip_coef())
+        stepped = self.optimizer.apply([self.averaged_grad(fp) for fp in self.trainable], self.take_clip_coef())
         self.drop_reductions()
         return stepped
 

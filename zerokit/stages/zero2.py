@@ -131,7 +131,7 @@ class Zero2Engine(Checkpointing, Engine):
         """Update this rank's shard of every buffer, then all-gather (core/engine.py). False if fp16 skipped it."""
         self.finish_backward()
         self.check_user_grads_before_step()
-        stepped = self.optimizer.step(self.grad_shards(), self.take_clip_coef())
+        stepped = self.optimizer.apply(self.grad_shards(), self.take_clip_coef())
         if stepped:  # a skipped step changed no shard: the full buffers are still current
             self.all_gather_params()
         return stepped

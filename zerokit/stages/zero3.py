@@ -256,7 +256,7 @@ class Zero3Engine(Checkpointing, Engine):
         self.finish_backward()
         self.check_user_grads_before_step()
         self.comm.agree_on_step(f"optimizer step {self.optimizer.steps_called + 1}")  # [Note: rank-dependent units]
-        return self.optimizer.step(self.grad_shards(), self.take_clip_coef())
+        return self.optimizer.apply(self.grad_shards(), self.take_clip_coef())
 
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
