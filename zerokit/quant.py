@@ -17,6 +17,10 @@ as in the paper; dequantization uses the stored (double-quantized) one:
 
     W_q = level[code] * absmax_q        absmax_q = c8 * scale2 / 127 + mean
 
+A code depends on its own block alone; with double quantization every constant depends on all
+blocks (through the mean). `quantize_range` computes any byte range of a weight's packed bytes
+from the blocks it depends on, bit for bit (what `engine.load_weights` does for a stage-3 shard).
+
 Bytes per weight element (n elements, B = block_size, NF4 with double quantization):
     n/2 (codes) + n/B (absmax codes) + 4·ceil(n/B/256) + 4     ≈ 0.516 bytes at B = 64
 without double quantization n/2 + 4n/B (0.5625); int8: n + the same constants (≈ 1.016).
@@ -48,7 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = ["quantize", "dequantized_state_dict", "dequantize_", "QuantLinear", "QuantSpec", "nf4_levels",
-           "quantize_tensor", "dequantize_tensor", "bytes_per_element", "FORMATS"]
+           "quantize_tensor", "quantize_range", "dequantize_tensor", "bytes_per_element", "FORMATS"]
 
 FORMATS = ("nf4", "int8")
 DOUBLE_QUANT_BLOCK = 256  # absmax constants per second-level block
@@ -145,28 +149,107 @@ def quantize_tensor(weight: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """`weight` (spec.shape) -> its packed bytes (spec.nbytes,) uint8."""
     w = weight.detach().reshape(spec.nblocks, spec.block_size).to(torch.float32)
     absmax = w.abs().amax(dim=1)  # (nblocks,)
+    packed = torch.cat([_block_codes(w, absmax, spec), _constants(absmax, spec)])
+    assert packed.numel() == spec.nbytes, (packed.numel(), spec.nbytes)
+    return packed
+
+
+def _block_codes(w: torch.Tensor, absmax: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """The code bytes of whole blocks `w` (blocks, block_size) fp32 with their exact absmax (blocks,): each
+    element's code depends on its own block alone, so any run of blocks gives quantize_tensor's bytes for it."""
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))[:, None]
     if spec.fmt == "nf4":
         levels = _LEVELS.to(w.device)
         mids = (levels[1:] + levels[:-1]) / 2  # nearest level: which midpoints a value lies above
         codes = torch.bucketize(w / safe, mids).to(torch.uint8).reshape(-1)  # (numel,) in [0, 15]
-        codes = (codes[0::2] << 4) | codes[1::2]  # (numel/2,) two codes per byte, first one high
-    else:
-        codes = _int8_codes(w, absmax[:, None]).view(torch.uint8).reshape(-1)
-    parts = [codes]
-    if spec.double_quant:
-        mean = absmax.mean()
-        centred = torch.zeros(spec.nblocks2 * DOUBLE_QUANT_BLOCK, device=w.device)
-        centred[:spec.nblocks] = absmax - mean
-        blocks = centred.view(spec.nblocks2, DOUBLE_QUANT_BLOCK)
-        scale2 = blocks.abs().amax(dim=1)  # (nblocks2,)
-        c8 = _int8_codes(blocks, scale2[:, None]).reshape(-1)[:spec.nblocks]
-        parts += [c8.view(torch.uint8), scale2.view(torch.uint8), mean.reshape(1).view(torch.uint8)]
-    else:
-        parts.append(absmax.view(torch.uint8))
-    packed = torch.cat(parts)
-    assert packed.numel() == spec.nbytes, (packed.numel(), spec.nbytes)
-    return packed
+        return (codes[0::2] << 4) | codes[1::2]  # (numel/2,) two codes per byte, first one high
+    return _int8_codes(w, absmax[:, None]).view(torch.uint8).reshape(-1)
+
+
+def _constants(absmax: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """The bytes after the codes, from every block's absmax (nblocks,) fp32: absmax codes | scale2 | mean with
+    double quantization (each depends on all blocks, through the mean), else the fp32 absmax itself."""
+    if not spec.double_quant:
+        return absmax.view(torch.uint8)
+    mean = absmax.mean()
+    centred = torch.zeros(spec.nblocks2 * DOUBLE_QUANT_BLOCK, device=absmax.device)
+    centred[:spec.nblocks] = absmax - mean
+    blocks = centred.view(spec.nblocks2, DOUBLE_QUANT_BLOCK)
+    scale2 = blocks.abs().amax(dim=1)  # (nblocks2,)
+    c8 = _int8_codes(blocks, scale2[:, None]).reshape(-1)[:spec.nblocks]
+    return torch.cat([c8.view(torch.uint8), scale2.view(torch.uint8), mean.reshape(1).view(torch.uint8)])
+
+
+QUANTIZE_CHUNK_NUMEL = 1 << 22  # elements of a weight `quantize_range` holds in fp32 at a time (16 MiB)
+
+
+def range_blocks(spec: QuantSpec, a: int, b: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Which blocks bytes [a, b) of quantize_tensor's output depend on: ((first, end) of the blocks whose codes
+    they hold, (first, end) of the blocks whose absmax they need); an empty range is (0, 0).
+
+    A code byte depends on its block only (NF4: block_size/2 bytes per block, int8: block_size). Without
+    double quantization an absmax byte is its block's fp32 absmax; with it every constant depends on the mean
+    of all blocks' absmax, so a range touching them needs every block."""
+    code_end = spec.parts()["codes"][1]
+    per_byte = 2 if spec.fmt == "nf4" else 1  # elements per code byte
+    bs = spec.block_size
+    codes = (0, 0)
+    if a < min(b, code_end):
+        codes = (a * per_byte // bs, -(-min(b, code_end) * per_byte // bs))
+    need = (0, 0)
+    if max(a, code_end) < b:
+        need = (0, spec.nblocks) if spec.double_quant else ((max(a, code_end) - code_end) // 4,
+                                                            -(-(b - code_end) // 4))
+    return codes, need
+
+
+def quantize_range(read, spec: QuantSpec, a: int, b: int, chunk_numel: int = QUANTIZE_CHUNK_NUMEL) -> torch.Tensor:
+    """Bytes [a, b) of `quantize_tensor(W, spec)`, bit for bit, reading only the blocks of W they depend on
+    (`range_blocks`), at most `chunk_numel` elements (rounded down to whole blocks) at a time.
+
+    `read(e0, e1)` returns elements [e0, e1) of W flattened in spec.shape's (out, in) order, as fp32 (what
+    quantize_tensor's `.to(torch.float32)` makes of them). Exact because codes are elementwise given their
+    block's absmax (an exact max), and the double-quant constants are computed by `_constants` from the
+    same (nblocks,) absmax vector quantize_tensor computes them from.
+    """
+    if not 0 <= a <= b <= spec.nbytes:
+        raise ValueError(f"byte range [{a}, {b}) outside the {spec.nbytes} bytes of {spec}")
+    bs = spec.block_size
+    (c0, c1), (m0, m1) = range_blocks(spec, a, b)
+    spans = sorted(s for s in ((c0, c1), (m0, m1)) if s[0] < s[1])
+    merged: list[list[int]] = []
+    for lo, hi in spans:  # one read of blocks both parts need
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    step = max(1, chunk_numel // bs)  # blocks per chunk
+    codes, absmax = [], []
+    for lo, hi in merged:
+        for k in range(lo, hi, step):
+            k1 = min(hi, k + step)
+            w = read(k * bs, k1 * bs).reshape(k1 - k, bs).to(torch.float32)
+            amax = w.abs().amax(dim=1)  # (k1 - k,)
+            if max(k, c0) < min(k1, c1):
+                j0, j1 = max(k, c0), min(k1, c1)
+                codes.append(_block_codes(w[j0 - k:j1 - k], amax[j0 - k:j1 - k], spec))
+            if max(k, m0) < min(k1, m1):
+                absmax.append(amax[max(k, m0) - k:min(k1, m1) - k])
+    parts = spec.parts()
+    code_end = parts["codes"][1]
+    per_block = bs // 2 if spec.fmt == "nf4" else bs  # code bytes per block
+    out = []
+    if codes:
+        got = torch.cat(codes)  # code bytes [c0 * per_block, c1 * per_block)
+        out.append(got[a - c0 * per_block:min(b, code_end) - c0 * per_block])
+    if absmax:
+        values = torch.cat(absmax)  # (m1 - m0,): the whole vector under double quantization
+        tail = _constants(values, spec)  # double quant: bytes [code_end, nbytes); else absmax bytes [4 m0, 4 m1)
+        first = code_end + (0 if spec.double_quant else 4 * m0)
+        out.append(tail[max(a, code_end) - first:b - first])
+    result = torch.cat(out) if out else torch.empty(0, dtype=torch.uint8)
+    assert result.numel() == b - a, (result.numel(), a, b, spec)
+    return result
 
 
 def _fp32(packed: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

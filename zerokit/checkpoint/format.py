@@ -489,7 +489,9 @@ def _refuse_without_pointer(directory: str, pointer_path: str) -> None:
 # ====================================================================== reading ranges of a safetensors file
 class SafetensorsReader:
     """A safetensors file read by byte ranges, not mapped: `keys()`, `get_slice(key).get_shape()`,
-    `get_slice(key)[i:j]` (rows i..j of the first dimension) and `get_tensor(key)`, as `safe_open` has them.
+    `get_slice(key)[i:j]` (rows i..j of the first dimension) and `get_tensor(key)`, as `safe_open` has them;
+    also `dtype(key)`, `read_elements(key, a, b)` (flat elements a..b) and `read_columns(key, i, j)` (of a
+    2-D tensor), which load_weights uses to read a quantized weight's blocks.
 
     [Note: reading without mapping]
     safetensors' `safe_open` maps the file, and every page a read touches then counts in the process's
@@ -540,6 +542,9 @@ class SafetensorsReader:
         shape = self._entries[key]["shape"]
         return self._read(key, 0, shape[0] if shape else 1).reshape(shape)
 
+    def dtype(self, key: str) -> torch.dtype:
+        return self._TORCH_DTYPES[self._entries[key]["dtype"]]
+
     def _read(self, key: str, first: int, last: int) -> torch.Tensor:
         """Rows [first, last) of the first dimension (a 0-d tensor: its one element), as (rows, *rest)."""
         entry = self._entries[key]
@@ -547,12 +552,32 @@ class SafetensorsReader:
         row = 1
         for d in shape[1:]:
             row *= d
+        out = self._pread(key, first * row, max(last - first, 0) * row)
+        return out.reshape([max(last - first, 0)] + shape[1:])
+
+    def read_elements(self, key: str, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of tensor `key` flattened, (b - a,): exactly those bytes are read."""
+        return self._pread(key, a, b - a)
+
+    def read_columns(self, key: str, first: int, last: int) -> torch.Tensor:
+        """Columns [first, last) of the 2-D tensor `key`, (rows, last - first): one read per row, of those
+        columns only (all of it at once when they are every column)."""
+        rows, cols = self._entries[key]["shape"]
+        if first == 0 and last == cols:
+            return self._pread(key, 0, rows * cols).reshape(rows, cols)
+        return torch.stack([self._pread(key, r * cols + first, last - first) for r in range(rows)]) if rows else \
+            torch.empty(0, last - first, dtype=self.dtype(key))
+
+    def _pread(self, key: str, start: int, count: int) -> torch.Tensor:
+        """`count` elements of tensor `key` from flat element `start`, read into a fresh (count,) tensor."""
+        entry = self._entries[key]
+        dtype = self._TORCH_DTYPES[entry["dtype"]]
         itemsize = torch.empty((), dtype=dtype).element_size()
-        out = torch.empty(max(last - first, 0) * row * itemsize, dtype=torch.uint8)
-        self._file.seek(self._data_start + entry["data_offsets"][0] + first * row * itemsize)
+        out = torch.empty(count * itemsize, dtype=torch.uint8)
+        self._file.seek(self._data_start + entry["data_offsets"][0] + start * itemsize)
         if out.numel() and self._file.readinto(memoryview(out.numpy())) != out.numel():
             raise ValueError(f"{self.path}: tensor {key!r} is cut short (truncated file?)")
-        return out.view(dtype).reshape([max(last - first, 0)] + shape[1:])
+        return out.view(dtype)
 
 
 class _RowSlice:

@@ -6,7 +6,7 @@
 [Note: loading pretrained weights]
 `path` is a `.safetensors` file, or a directory holding `model.safetensors` or a Hugging Face sharded
 checkpoint (`model.safetensors.index.json`, whose "weight_map" names the file of every key). Every
-rank opens the files (safetensors maps them; nothing is read yet), checks every key against the
+rank opens the files (nothing is read yet), checks every key against the
 model, and reads, a tensor slice at a time, only the range of each flat param it keeps
 (`engine.kept_range`: its shard at stage 3, everything at stages 0-2, whose params are whole), cast to
 fp32 (exact from bf16, fp16 or fp32); stage 3 thus reads Ψ/N of the weights per rank and never holds
@@ -17,10 +17,27 @@ written: a parameter the files lack, a key the model lacks, a shape that differs
 their values. Then, as for a freshly built model, the fp32 masters take the loaded values (exactly,
 not their bf16 rounding), the optimizer state is cleared (the next step is a first step) and the
 gradients are zeroed; persistent buffers in the files are loaded, ones they lack keep their values.
-A quantized base (zk.quantize) is refused: quantize after loading into an eager model instead.
+
+[Note: loading into a quantized base]
+A model quantized by zk.quantize holds `<layer>.weight_quant` (uint8 bytes, zerokit/quant.py) where the
+files hold `<layer>.weight`, the float weight in its original shape (a GPT-2 Conv1D's (in, out)). Such a
+weight is quantized as it arrives, one weight at a time, into the bytes zk.quantize gives the eager model
+loaded from the same files, bit for bit (the file's values cast to the dtype the model had when quantized,
+then quantize_tensor's arithmetic: `quant.quantize_range`). Of each packed param a rank computes only the
+bytes of its kept range, and reads only the blocks those bytes depend on: a code byte, its own block
+(block_size elements; NF4 packs a block into block_size/2 bytes); without double quantization an absmax
+byte, its block; with it (the default) every constant depends on all blocks through their mean, so a
+range holding any of a weight's constants reads the whole weight, streamed QUANTIZE_CHUNK_NUMEL elements
+at a time. At stage 3 a rank thus reads its shards' blocks and, per flat param, at most the whole of the
+two weights its range starts and ends inside of. A file may instead hold the packed bytes under
+`<layer>.weight_quant` (zerokit's own state_dict and model.safetensors store them so), read as they are;
+only their size is checkable, so they must come from the same zk.quantize settings. Refused, naming the
+key: a weight of another shape or an integer dtype, bytes of another size or dtype, and both forms of
+one weight.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -29,6 +46,10 @@ import torch
 from zerokit.checkpoint.commit import raise_if_any
 from zerokit.checkpoint.format import SafetensorsReader, master_start, trainable_with_masters
 from zerokit.checkpoint.loading import _read_flat_range
+from zerokit.core.flat_param import is_packed
+from zerokit.quant import quantize_range
+
+PACKED_SUFFIX = "_quant"  # a quantized layer's `<layer>.weight_quant` (zerokit/quant.py) stands for `<layer>.weight`
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -80,14 +101,11 @@ def load_weights(engine, path: str | os.PathLike, strict: bool = True) -> dict[s
 
 
 def _plan(engine, path, strict: bool):
-    """Check every key, then read this rank's ranges: (per flat param its kept range in fp32, buffers, report)."""
-    from zerokit.core.flat_param import is_packed
+    """Check every key, then read this rank's ranges: (per flat param its kept range, fp32 (uint8 for packed
+    bytes), buffers, report)."""
     from zerokit.lora import lora_modules
 
     where = weight_files(path)
-    if any(is_packed(p) for fp in engine.flat_params for p in fp.params):
-        raise ValueError("load_weights into a quantized base (zk.quantize) is not supported: load the weights into "
-                         "an eager model, then zk.quantize it and build the engine")
     adapters = {f"{prefix}.{name}" for prefix in lora_modules(engine.module) for name in ("lora_A", "lora_B")}
     files: dict[str, object] = {}
     try:
@@ -106,9 +124,18 @@ def _read_ranges(engine, path, strict: bool, where: dict[str, str], adapters: se
         return files[file]
 
     # 1. every key and shape, before any value is read
-    source, missing, known = {}, [], set()  # id(param) -> key; names nothing provides
+    source, missing, known = {}, [], set()  # names[0] -> (key, how); names nothing provides
     for fp in engine.flat_params:
-        for names, shape in zip(fp.names, fp.layout.shapes):
+        for names, shape, p in zip(fp.names, fp.layout.shapes, fp.params):
+            if is_packed(p):  # its float original or its bytes: [Note: loading into a quantized base]
+                found = _quantized_source(names, p.zerokit_packed, where, handle)
+                known.update(names)
+                known.update(n[:-len(PACKED_SUFFIX)] for n in names)
+                if found is None:
+                    missing.append(names[0][:-len(PACKED_SUFFIX)])
+                else:
+                    source[names[0]] = found
+                continue
             known.update(names)
             key = next((n for n in names if n in where), None)
             if key is None:
@@ -117,7 +144,7 @@ def _read_ranges(engine, path, strict: bool, where: dict[str, str], adapters: se
             stored = tuple(handle(where[key]).get_slice(key).get_shape())
             if stored != tuple(shape):
                 raise ValueError(f"{where[key]}: {key!r} has shape {stored}, this model's is {tuple(shape)}")
-            source[names[0]] = key
+            source[names[0]] = (key, "as is")
     in_flat = {id(p) for fp in engine.flat_params for p in fp.params}
     buffer_keys = {name for name, t in engine.module.state_dict(keep_vars=True).items() if id(t) not in in_flat}
     known |= buffer_keys
@@ -135,12 +162,21 @@ def _read_ranges(engine, path, strict: bool, where: dict[str, str], adapters: se
     for fp in engine.flat_params:
         lo, hi = engine.kept_range(fp)
         out = _current_range(engine, fp, lo, hi) if any(n[0] in missing for n in fp.names) else \
-            torch.zeros(hi - lo, dtype=torch.float32)
-        for names, offset, numel, shape in zip(fp.names, fp.layout.offsets, fp.layout.numels, fp.layout.shapes):
+            torch.zeros(hi - lo, dtype=torch.float32 if fp.dtype.is_floating_point else fp.dtype)
+        for names, offset, numel, shape, p in zip(fp.names, fp.layout.offsets, fp.layout.numels, fp.layout.shapes,
+                                                  fp.params):
             a, b = max(lo, offset), min(hi, offset + numel)
             if a < b and names[0] in source:
-                key = source[names[0]]
-                out[a - lo:b - lo] = _read_flat_range(handle(where[key]), key, tuple(shape), a - offset, b - offset)
+                key, how = source[names[0]]
+                f = handle(where[key])
+                if how == "quantize":  # bytes [a, b) of this weight's quantization, from the blocks they need
+                    value = quantize_range(functools.partial(_weight_elements, f, key, p.zerokit_packed),
+                                           p.zerokit_packed, a - offset, b - offset)
+                elif how == "bytes":
+                    value = f.read_elements(key, a - offset, b - offset)
+                else:
+                    value = _read_flat_range(f, key, tuple(shape), a - offset, b - offset)
+                out[a - lo:b - lo] = value
         kept.append(out)
     buffers = {}
     module_state = engine.module.state_dict(keep_vars=True)
@@ -151,6 +187,52 @@ def _read_ranges(engine, path, strict: bool, where: dict[str, str], adapters: se
                              f"{tuple(module_state[name].shape)}")
         buffers[name] = value
     return kept, buffers, {"missing": sorted(set(missing)), "unexpected": unexpected}
+
+
+def _quantized_source(names: list[str], spec, where: dict[str, str], handle):
+    """Where a quantized weight's values come from: (key, "quantize") for its float original (`<layer>.weight`,
+    in the original parameter's shape: a Conv1D's (in, out)), (key, "bytes") for packed bytes
+    (`<layer>.weight_quant`, uint8, spec.nbytes, as zerokit saves them); None when the files hold neither."""
+    found = []
+    for name in names:
+        original = name[:-len(PACKED_SUFFIX)]
+        for key, how in ((name, "bytes"), (original, "quantize")):
+            if key in where:
+                found.append((key, how))
+    if len({how for _, how in found}) > 1:
+        keys = sorted({k for k, _ in found})
+        raise ValueError(f"{where[keys[0]]}: {' and '.join(map(repr, keys))} are one quantized weight, as its float "
+                         "values and as packed bytes; keep one of them")
+    if not found:
+        return None
+    key, how = found[0]
+    f = handle(where[key])
+    stored, dtype = tuple(f.get_slice(key).get_shape()), f.dtype(key)
+    if how == "bytes":
+        if dtype != torch.uint8 or stored != (spec.nbytes,):
+            raise ValueError(f"{where[key]}: {key!r} holds {dtype} {stored}; this model's quantized weight "
+                             f"({spec}) is {spec.nbytes} uint8 bytes")
+        return found[0]
+    shape = tuple(reversed(spec.shape)) if spec.transposed else tuple(spec.shape)
+    if stored != shape:
+        raise ValueError(f"{where[key]}: {key!r} has shape {stored}, this model's is {shape} (quantized: {spec})")
+    if not dtype.is_floating_point:
+        raise ValueError(f"{where[key]}: {key!r} has dtype {dtype}, not the floating-point weight this model "
+                         f"quantizes ({spec})")
+    return found[0]
+
+
+def _weight_elements(f, key: str, spec, e0: int, e1: int) -> torch.Tensor:
+    """Elements [e0, e1) of the weight W (spec.shape, (out, in)) that stored tensor `key` holds, flattened, in fp32
+    after rounding to spec.dtype: the values zk.quantize would see in the eager model loaded from the file.
+    A Conv1D's file tensor is W.t() (in, out): the rows of W it needs are columns there, read as such."""
+    if not spec.transposed:
+        values = f.read_elements(key, e0, e1)
+    else:
+        cols = spec.shape[1]  # W's row length (in)
+        r0, r1 = e0 // cols, -(-e1 // cols)  # W's rows [r0, r1): columns of the stored (in, out) tensor
+        values = f.read_columns(key, r0, r1).t().reshape(-1)[e0 - r0 * cols:e1 - r0 * cols]
+    return values.to(spec.dtype).to(torch.float32)
 
 
 def _current_range(engine, fp, lo: int, hi: int) -> torch.Tensor:
