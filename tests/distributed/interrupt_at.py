@@ -67,12 +67,12 @@ def _arm() -> None:
             return out
         models.GPT.forward = armed_forward
     elif where == "optimizer":
-        step = sharded.ShardedOptimizer.step
+        step = sharded.ShardedOptimizer.apply  # what every stage calls from engine.step()
 
         def armed_step(self, *args, **kwargs):
             fire()
             return step(self, *args, **kwargs)
-        sharded.ShardedOptimizer.step = armed_step
+        sharded.ShardedOptimizer.apply = armed_step
     elif where == "save":
         write = commit._write_rank_file
 
