@@ -30,9 +30,9 @@ import warnings
 import torch
 
 from zerokit.checkpoint.format import (
-    FORMAT, MASTER, META_FILE, MODEL_FILE, POINTER_FILE, POINTER_LEFTOVER, SNAPSHOT_NAME, SafetensorsWriter, aliases,
-    build_meta, digest_bytes, master_start, meta_bytes, new_snapshot_name, piece_key, pointer, rank_file,
-    state_kinds, trainable_with_masters)
+    FORMAT, MASTER, META_FILE, MODEL_FILE, MODEL_METADATA, POINTER_FILE, POINTER_LEFTOVER, SNAPSHOT_NAME,
+    SafetensorsWriter, aliases, build_meta, digest_bytes, master_start, meta_bytes, new_snapshot_name, piece_key,
+    pointer, rank_file, state_kinds, trainable_with_masters)
 
 
 def save(engine, directory: str | os.PathLike, extra: dict | None = None) -> None:
@@ -202,7 +202,7 @@ def _write_model_file(engine, directory: str, write: bool = True) -> dict | None
     if engine.comm.world_rank == 0 and write:
         try:
             specs = {name: spec for name, spec in engine.full_state_specs().items() if name not in names_of}
-            writer = SafetensorsWriter(path, specs, {"format": FORMAT})
+            writer = SafetensorsWriter(path, specs, MODEL_METADATA)  # transformers < 5 refuses another "format"
         except Exception as exc:
             error = exc
     for name, tensor in engine.full_state_items(rank0_only=True):
