@@ -275,8 +275,33 @@ def _hf_cases(rank, world_size, root):
     return out
 
 
+# ---------------------------------------------------------------------- zerokit train --max-shard-size
+def _train_cli_cases(rank, world_size, root):
+    import argparse
+
+    from zerokit.commands.train import add_arguments, train_loop
+
+    def cfg(**overrides):
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        c = vars(parser.parse_args(["--model", "tiny", "--no-progress", "--batch-size", "2", "--clip", "0",
+                                    "--stage", "3", "--max-shard-size", "40KB"]))
+        c.update(overrides)
+        return c
+
+    ck = os.path.join(root, "train-cli")
+    first = train_loop(rank, world_size, cfg(steps=2, save=ck))
+    files = _model_files(committed_snapshot(ck))
+    resumed = train_loop(rank, world_size, cfg(steps=3, resume=ck))
+    straight = train_loop(rank, world_size, cfg(steps=3))
+    return dict(files=files, first=first["losses"], resumed_first_step=resumed["first_step"],
+                resumed=resumed["losses"], straight=straight["losses"],
+                digests=(resumed["weights_sha256"], straight["weights_sha256"]))
+
+
 def _cases(rank, world_size, root):
-    return dict(odd=_odd_cases(rank, world_size, root), hf=_hf_cases(rank, world_size, root))
+    return dict(odd=_odd_cases(rank, world_size, root), hf=_hf_cases(rank, world_size, root),
+                cli=_train_cli_cases(rank, world_size, root))
 
 
 # ---------------------------------------------------------------------- fixtures
@@ -388,3 +413,13 @@ def test_from_pretrained_loads_the_sharded_snapshot(ws2, kind, stage):
     assert got["head_in_weight_map"] is (kind == "llama")  # GPT-2's tied head saved once, as HF saves it
     assert got["head_tied"] is (kind == "gpt2")
     assert got["load_after_config_json"] == []
+
+
+# ---------------------------------------------------------------------- zerokit train
+def test_train_cli_max_shard_size_writes_shards_that_resume_continues_from(ws2):
+    for result in ws2:
+        got = result["cli"]
+        assert len(got["files"]) >= 3 and got["files"][-1] == MODEL_INDEX_FILE, got["files"]
+        assert got["resumed_first_step"] == 2
+        assert got["first"] + got["resumed"] == got["straight"], got
+        assert got["digests"][0] == got["digests"][1]

@@ -99,3 +99,19 @@ def test_a_snapshot_lists_one_model_file_or_every_shard_and_the_index():
                 {model_shard_file(1, 2), model_shard_file(2, 3), MODEL_INDEX_FILE}]:
         with pytest.raises(ValueError, match="model file"):
             model_files(bad)
+
+
+def test_train_max_shard_size_is_checked_when_parsed_and_kept_as_given():
+    """`zerokit train --max-shard-size` reads sizes as engine.save does; a typo is an argparse error, no spawn."""
+    import argparse
+
+    from zerokit.commands.train import add_arguments
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--max-shard-size", "5GB"]).max_shard_size == "5GB"
+    assert parser.parse_args([]).max_shard_size is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-shard-size", "5GiB"])
+    from zerokit.commands.train import check_arguments
+    with pytest.raises(ValueError, match="--max-shard-size SIZE splits the model file of --save DIR"):
+        check_arguments(vars(parser.parse_args(["--model", "tiny", "--max-shard-size", "5GB"])))
