@@ -186,8 +186,8 @@ def _read(engine, directory: str) -> tuple[_Plan, Snapshot]:
             verify_file(os.path.join(snapshot.path, name), meta["files"][name], meta_path)
             checked.add(name)
 
-    # See [Note: loading]: model file j = rank (mod world size), rank files i = rank (mod world size), and below the rank
-    # files this rank reads slices of; the verdict gather in `load` makes every rank hear of any.
+    # See [Note: loading]: model files j and rank files i = rank (mod world size), and below the rank files this
+    # rank reads slices of; the verdict gather in `load` makes every rank hear of any.
     n_saved = int(meta["world_size"])
     model = model_files(meta["files"])  # [model.safetensors], or the shards and their index
     for j in range(engine.rank, len(model), engine.world_size):
