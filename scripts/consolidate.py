@@ -7,7 +7,7 @@ copy), with fp32 master values for trained parameters: what `engine.state_dict(f
 returns, loadable with `model.load_state_dict(safetensors.torch.load_file(OUT))`. No process
 group and no GPU are needed; optimizer state is left out (resume from the directory itself).
 It reads the snapshot CHECKPOINT_DIR/current.json names, after checking meta.json and the model
-file against their sha256 (zerokit/checkpoint/format.py [Note: checksums]); a missing, corrupted or
+file (or, saved with max_shard_size, its shards and index) against their sha256 (zerokit/checkpoint/format.py [Note: checksums]); a missing, corrupted or
 old-format checkpoint exits with status 2 and one line naming the file, and OUT is not written.
 """
 from __future__ import annotations

@@ -20,11 +20,12 @@ from __future__ import annotations
 import os
 
 from zerokit.checkpoint.commit import save
-from zerokit.checkpoint.format import FORMAT, HASH, META_FILE, MODEL_FILE, POINTER_FILE, VERSION, piece_key, rank_file
+from zerokit.checkpoint.format import (FORMAT, HASH, META_FILE, MODEL_FILE, MODEL_INDEX_FILE, POINTER_FILE, VERSION,
+                                       piece_key, rank_file)
 from zerokit.checkpoint.loading import committed_snapshot, load, load_full_state_dict
 
 __all__ = ["save", "load", "load_full_state_dict", "committed_snapshot", "rank_file", "piece_key", "Checkpointing",
-           "POINTER_FILE", "META_FILE", "MODEL_FILE", "FORMAT", "VERSION", "HASH"]
+           "POINTER_FILE", "META_FILE", "MODEL_FILE", "MODEL_INDEX_FILE", "FORMAT", "VERSION", "HASH"]
 
 
 class Checkpointing:
@@ -34,9 +35,11 @@ class Checkpointing:
     optimizer's master shards and states, `load_flat_params`), so core never imports this package.
     """
 
-    def save(self, directory: str | os.PathLike, extra: dict | None = None) -> None:
-        """Write a sharded checkpoint (every rank its own range; rank 0 the model and meta). A collective."""
-        save(self, directory, extra=extra)
+    def save(self, directory: str | os.PathLike, extra: dict | None = None,
+             max_shard_size: int | str | None = None) -> None:
+        """Write a sharded checkpoint (every rank its own range; rank 0 the model and meta). A collective.
+        `max_shard_size` ("5GB", or bytes): the model as Hugging Face's sharded files and index (format.py)."""
+        save(self, directory, extra=extra, max_shard_size=max_shard_size)
 
     def load(self, directory: str | os.PathLike) -> dict:
         """Load a checkpoint saved at any world size, stage or precision; returns its meta (with `extra`)."""

@@ -8,8 +8,9 @@ param); a crash of any rank at any point leaves the previous snapshot current an
     different paths raise ValueError on every rank before anything is written.
  2. create: rank 0 makes <directory>/<snapshot>/; a rank that then cannot see it is on another
     filesystem and is refused.
- 3. write: rank 0 streams the model file while every rank gathers one flat param at a time
-    (`_write_model_file`, every rank to the end whatever failed), then each rank writes, fsyncs
+ 3. write: rank 0 streams the model file (or its shards, then their index: format.py [Note:
+    sharded model files]) while every rank gathers one flat param at a time
+    (`_write_model_files`, every rank to the end whatever failed), then each rank writes, fsyncs
     and digests its rank file. The gather of every rank's problems and digests is the agreement
     that the snapshot is complete; on any problem rank 0 deletes it and every rank raises,
     naming the rank and the file.
@@ -30,22 +31,28 @@ import warnings
 import torch
 
 from zerokit.checkpoint.format import (
-    FORMAT, MASTER, META_FILE, MODEL_FILE, POINTER_FILE, POINTER_LEFTOVER, SNAPSHOT_NAME, SafetensorsWriter, aliases,
-    build_meta, digest_bytes, master_start, meta_bytes, new_snapshot_name, piece_key, pointer, rank_file,
-    state_kinds, trainable_with_masters)
+    FORMAT, MASTER, META_FILE, MODEL_INDEX_FILE, MODEL_METADATA, POINTER_FILE, POINTER_LEFTOVER, SNAPSHOT_NAME,
+    SafetensorsWriter, aliases, build_meta, digest_bytes, master_start, meta_bytes, model_index_bytes, model_layout,
+    new_snapshot_name, parse_shard_size, piece_key, pointer, rank_file, state_kinds, trainable_with_masters)
 
 
-def save(engine, directory: str | os.PathLike, extra: dict | None = None) -> None:
+def save(engine, directory: str | os.PathLike, extra: dict | None = None, max_shard_size: int | str | None = None
+         ) -> None:
     """Write a sharded checkpoint of `engine` into `directory`, atomically. A collective: every rank calls it.
 
     `extra` (JSON-serialisable) is stored in meta.json and handed back by `load` (the
-    training loop's step index, for instance). The new snapshot is written beside the
+    training loop's step index, for instance). `max_shard_size` (bytes, or "5GB" as Hugging
+    Face writes it; default None: one model.safetensors) splits the consolidated model into
+    model-0000i-of-0000K.safetensors and model.safetensors.index.json as transformers'
+    save_pretrained does (format.py [Note: sharded model files]). The new snapshot is written beside the
     directory's current one and becomes current in one step once every rank's files are
     on disk (see [Note: the commit protocol]); until then, and after any failure or crash,
     `load` reads the previous checkpoint. Raises ValueError on every rank if the ranks
     passed different directories (before writing anything) or if any rank failed to write,
     naming the rank and the file.
     """
+    if max_shard_size is not None:
+        parse_shard_size(max_shard_size)  # a bad size raises here, on every rank alike, before any collective
     snapshot = _agree_on_directory(engine, directory)  # 1. agree (all-gather)
     directory = os.fspath(directory)
     engine.finish_backward()
@@ -73,9 +80,7 @@ def save(engine, directory: str | os.PathLike, extra: dict | None = None) -> Non
     except Exception as exc:  # reported to every rank below, never left for a peer to hang on
         problems.append(f"{type(exc).__name__}: {exc}")
     try:  # every rank, whatever went wrong above: the others' gathers need it
-        record = _write_model_file(engine, snapshot_path, write=not problems)
-        if record is not None:
-            records[MODEL_FILE] = record
+        records.update(_write_model_files(engine, snapshot_path, write=not problems, max_shard_size=max_shard_size))
     except Exception as exc:
         problems.append(f"{type(exc).__name__}: {exc}")
     if not problems:
@@ -187,40 +192,79 @@ def _write_rank_file(engine, directory: str, kinds: dict[str, str], names_of: di
         raise OSError(f"writing {path}: {exc}") from exc
 
 
-def _write_model_file(engine, directory: str, write: bool = True) -> dict | None:
-    """Stream the full state into model.safetensors; its record on world rank 0, None elsewhere. A collective.
+def _write_model_files(engine, directory: str, write: bool = True, max_shard_size=None) -> dict[str, dict]:
+    """Stream the full state into model.safetensors, or the shards and index `max_shard_size` asks for
+    (format.py [Note: sharded model files]); their records on world rank 0, {} elsewhere. A collective.
 
     Every rank iterates `engine.full_state_items` to the end, one flat param gathered at a time;
-    rank 0 writes each tensor as it arrives (a tied tensor once, under its first name), and the
-    file is byte for byte what safetensors' save_file writes (format.py [Note: the streaming writer]).
-    A failure on rank 0 (or `write` False) stops the writing, never the gathers: the other ranks
-    drain theirs, then rank 0 raises and `save` reports it on every rank.
+    rank 0 writes each tensor into its file as it arrives (a tied tensor once, under its first name),
+    each file byte for byte what safetensors' save_file writes for its tensors (format.py [Note: the
+    streaming writer]). A file is opened at its first tensor and closed (fsynced) at its last, so
+    only the files the gather order is filling are open. A failure on rank 0 (or `write` False) stops
+    the writing, never the gathers: the other ranks drain theirs, then rank 0 raises and `save`
+    reports it on every rank.
     """
-    path = os.path.join(directory, MODEL_FILE)
-    writer, error = None, None
+    layout, specs, file_of, left, writers, records = {}, {}, {}, {}, {}, {}
+    error, path = None, directory
     names_of = aliases(engine.module)
-    if engine.comm.world_rank == 0 and write:
-        try:
-            specs = {name: spec for name, spec in engine.full_state_specs().items() if name not in names_of}
-            writer = SafetensorsWriter(path, specs, {"format": FORMAT})
-        except Exception as exc:
-            error = exc
-    for name, tensor in engine.full_state_items(rank0_only=True):
-        if writer is not None and name not in names_of:
-            try:
-                writer.write(name, tensor)
-            except Exception as exc:
-                error, writer = exc, writer.abandon()
-        del tensor  # before the next gather: a value still held keeps its flat param's gathered buffer alive
-    if writer is not None:
-        try:
-            return writer.close()
-        except Exception as exc:
-            error = exc
+    writing = engine.comm.world_rank == 0 and write
+
+    def stop(exc: Exception, where: str) -> None:
+        nonlocal error, writing, path
+        error, writing, path = exc, False, where
+        for writer in writers.values():
             writer.abandon()
+        writers.clear()
+
+    if writing:
+        try:
+            all_specs = engine.full_state_specs()
+            specs = {name: all_specs[name] for name in engine.module.state_dict(keep_vars=True)
+                     if name not in names_of}  # the state_dict's order: the one Hugging Face splits in
+            layout = model_layout(specs, max_shard_size)
+            file_of = {name: file for file, names in layout.items() for name in names}
+            left = {file: len(names) for file, names in layout.items()}
+        except Exception as exc:
+            stop(exc, os.path.join(directory, next(iter(layout), "model.safetensors")))
+    for name, tensor in engine.full_state_items(rank0_only=True):
+        if writing and name in file_of:
+            file = file_of[name]
+            try:
+                if file not in writers:
+                    writers[file] = SafetensorsWriter(os.path.join(directory, file),
+                                                      {n: specs[n] for n in layout[file]}, MODEL_METADATA)
+                writers[file].write(name, tensor)
+                left[file] -= 1
+                if not left[file]:
+                    records[file] = writers.pop(file).close()
+            except Exception as exc:
+                stop(exc, os.path.join(directory, file))
+        del tensor  # before the next gather: a value still held keeps its flat param's gathered buffer alive
+    if writing:
+        file = MODEL_INDEX_FILE
+        try:
+            unwritten = [f for f in layout if f not in records]
+            if unwritten:
+                file = unwritten[0]
+                raise ValueError(f"{left[file]} of its tensors never came from the gather")
+            if len(layout) > 1:
+                parameters = {n for fp in engine.flat_params for names in fp.names for n in names}
+                records[file] = _write_small_file(os.path.join(directory, file),
+                                                  model_index_bytes(layout, specs, parameters))
+        except Exception as exc:
+            stop(exc, os.path.join(directory, file))
     if error is not None:
         raise OSError(f"writing {path}: {error}") from error
-    return None
+    return records
+
+
+def _write_small_file(path: str, data: bytes) -> dict:
+    """Write `data` to `path` and fsync it; its {"bytes", "sha256"} record."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return digest_bytes(data)
 
 
 def _write_meta(snapshot_path: str, meta: dict) -> dict:

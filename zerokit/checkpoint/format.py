@@ -12,7 +12,10 @@ A checkpoint directory holds one committed snapshot and the pointer that names i
       model.safetensors             rank 0: engine.state_dict(full=True), the unwrapped model's keys (fp32
                                     masters where they exist), streamed as it is gathered ([Note: the
                                     streaming writer]); a tied tensor is stored once, under its first
-                                    name, and meta.json's "aliases" maps the other names to it
+                                    name, and meta.json's "aliases" maps the other names to it. Or, saved
+                                    with `max_shard_size` and larger than it, Hugging Face's sharded layout
+                                    instead ([Note: sharded model files]):
+      model-00001-of-0000K.safetensors ... model-0000K-of-0000K.safetensors, model.safetensors.index.json
       rank{r}-of-{N}.safetensors    rank r: the pieces of range [r * shard_numel, (r + 1) * shard_numel) of
                                     every trainable flat param's fp32 master and per-element optimizer states
 
@@ -31,6 +34,21 @@ with [start, end) counted in the flattened parameter's elements; padding is neve
 reader with any layout copies the sub-ranges of the pieces that overlap what it owns.
 Scalar optimizer states (Adam's `step`) are stored once per piece as 0-dim tensors. At stage 0
 rank r still writes only range r, so the files are the same size at every stage.
+
+[Note: sharded model files]
+`save(dir, max_shard_size=S)` splits the model file the way transformers' `save_pretrained(max_shard_size=S)`
+does (huggingface_hub's `split_torch_state_dict_into_shards`; `split_into_shards` below): the stored
+tensors (a tied tensor once) in the model's state_dict order, each appended to the current file unless
+that would take the file's tensor bytes past S, when a new file starts; a tensor larger than S alone
+gets a file of its own (so that file exceeds S); tensors are never split. One file: model.safetensors,
+as without S. K > 1 files: model-{i:05d}-of-{K:05d}.safetensors, each byte for byte what safetensors'
+`save_file` writes for its tensors (header metadata {"format": "pt"}, as transformers writes it), and
+model.safetensors.index.json, the bytes transformers writes: json.dumps({"metadata": {"total_parameters",
+"total_size"}, "weight_map": {key: file}}, indent=2, sort_keys=True) + "\n", total_size the tensor bytes
+of every file, the tied names left out of weight_map as transformers leaves them. meta.json records
+every one of these files, the index included; a reader finds which are there from that list
+(`model_files`). S is bytes, an int, or a string as huggingface_hub's `parse_size_to_int` reads it
+("5GB", "500MB": decimal units TB, GB, MB, KB).
 
 [Note: checksums]
 Every byte is checked before a load changes anything: meta.json records each safetensors
@@ -68,6 +86,10 @@ VERSION = 2  # 1: files directly in the directory, meta.json written last, no ch
 POINTER_FILE = "current.json"
 META_FILE = "meta.json"
 MODEL_FILE = "model.safetensors"
+MODEL_INDEX_FILE = "model.safetensors.index.json"
+MODEL_SHARD = re.compile(r"^model-(?P<index>\d{5})-of-(?P<count>\d{5})\.safetensors$")
+MODEL_METADATA = {"format": "pt"}  # the model file(s)' header metadata: what transformers writes and reads
+SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}  # huggingface_hub's parse_size_to_int
 HASH = "sha256"
 MASTER = "master"
 PIECE_KEY = re.compile(r"^(?P<kind>[^:]+)::(?P<name>.+)::(?P<start>\d+):(?P<end>\d+)$")
@@ -81,9 +103,109 @@ def rank_file(rank: int, world_size: int) -> str:
     return f"rank{rank}-of-{world_size}.safetensors"
 
 
-def snapshot_files(world_size: int) -> set[str]:
-    """Every safetensors file of a snapshot written by `world_size` ranks (meta.json's "files")."""
-    return {MODEL_FILE} | {rank_file(r, world_size) for r in range(world_size)}
+def snapshot_files(world_size: int, model: list[str] | tuple[str, ...] = (MODEL_FILE,)) -> set[str]:
+    """Every file of a snapshot written by `world_size` ranks with model files `model` (meta.json's "files")."""
+    return set(model) | {rank_file(r, world_size) for r in range(world_size)}
+
+
+def model_shard_file(index: int, count: int) -> str:
+    """The name of model file `index` (1-based) of `count`, as transformers names its shards."""
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def model_files(names) -> list[str]:
+    """The model files among a snapshot's file names: [model.safetensors], or the K shards in order then the
+    index ([Note: sharded model files]). ValueError unless the names hold exactly one such set."""
+    names = set(names)
+    shards = sorted(n for n in names if MODEL_SHARD.match(n))
+    if not shards and MODEL_INDEX_FILE not in names:
+        if MODEL_FILE not in names:
+            raise ValueError(f"no model file ({MODEL_FILE}, or {MODEL_INDEX_FILE} and its shards)")
+        return [MODEL_FILE]
+    count = int(MODEL_SHARD.match(shards[0])["count"]) if shards else 0
+    expected = [model_shard_file(i, count) for i in range(1, count + 1)]
+    if count < 2 or shards != expected or MODEL_INDEX_FILE not in names or MODEL_FILE in names:
+        raise ValueError(f"model files {shards + sorted(names & {MODEL_FILE, MODEL_INDEX_FILE})} are neither "
+                         f"{MODEL_FILE} alone nor {MODEL_INDEX_FILE} with model-00001-of-0000K.safetensors ... "
+                         "model-0000K-of-0000K.safetensors (K >= 2)")
+    return expected + [MODEL_INDEX_FILE]
+
+
+def parse_shard_size(size) -> int:
+    """`max_shard_size` in bytes: a positive int, or a string as huggingface_hub's parse_size_to_int reads it
+    ("5GB", "2.5 MB", "100kb": TB, GB, MB, KB, powers of 10), or of digits only (bytes)."""
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise ValueError(f"max_shard_size {size!r}: give bytes (an int) or a size such as \"5GB\"")
+    value = size
+    if isinstance(size, str):
+        text = size.strip()
+        if text.isdigit():
+            value = int(text)
+        else:
+            unit = text[-2:].upper()
+            try:
+                if unit not in SIZE_UNITS:
+                    raise ValueError
+                value = int(float(text[:-2].strip()) * SIZE_UNITS[unit])
+            except ValueError:
+                raise ValueError(f"max_shard_size {size!r}: not a size; give bytes or a number with one of the "
+                                 f"units {', '.join(SIZE_UNITS)} (\"5GB\", \"500MB\"), as Hugging Face reads it") \
+                    from None
+    if value < 1:
+        raise ValueError(f"max_shard_size {size!r} is not positive")
+    return value
+
+
+def split_into_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """The files `sizes` (name -> tensor bytes, in the state_dict's order) fall into, by huggingface_hub's rule
+    ([Note: sharded model files]): in order, a tensor joins the current file unless that takes it past
+    `max_bytes`, when the file is closed and a new one started; a tensor larger than `max_bytes` gets a file of
+    its own at once (listed before the file being filled, as huggingface_hub lists it)."""
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_bytes = 0
+    for name, size in sizes.items():
+        if size > max_bytes:
+            shards.append([name])
+            continue
+        if current_bytes + size > max_bytes:
+            shards.append(current)
+            current, current_bytes = [], 0
+        current.append(name)
+        current_bytes += size
+    if current:
+        shards.append(current)
+    return shards
+
+
+def model_layout(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], max_shard_size=None) -> dict[str, list[str]]:
+    """file -> the names it holds, for the stored tensors `specs` (name -> (dtype, shape), in the state_dict's
+    order): model.safetensors for all of them, unless `max_shard_size` splits them into several files."""
+    if max_shard_size is None:
+        return {MODEL_FILE: list(specs)}
+    shards = split_into_shards({name: tensor_bytes(*spec) for name, spec in specs.items()},
+                               parse_shard_size(max_shard_size))
+    if len(shards) <= 1:
+        return {MODEL_FILE: list(specs)}
+    return {model_shard_file(i + 1, len(shards)): names for i, names in enumerate(shards)}
+
+
+def tensor_bytes(dtype: torch.dtype, shape) -> int:
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    return numel * dtype.itemsize
+
+
+def model_index_bytes(layout: dict[str, list[str]], specs: dict, parameters: set[str]) -> bytes:
+    """model.safetensors.index.json's bytes for a sharded `layout`, exactly as transformers' save_pretrained
+    writes them; `parameters`: the stored names that are parameters (total_parameters counts them, not buffers)."""
+    weight_map = {name: file for file, names in layout.items() for name in names}
+    index = {"metadata": {"total_parameters": sum(tensor_bytes(*specs[n]) // specs[n][0].itemsize
+                                                  for n in weight_map if n in parameters),
+                          "total_size": sum(tensor_bytes(*specs[n]) for n in weight_map)},
+             "weight_map": weight_map}
+    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
 
 
 def new_snapshot_name() -> str:
@@ -208,7 +330,7 @@ def build_meta(engine, kinds: dict[str, str], extra: dict | None, files: dict[st
         for names, p in zip(fp.names, fp.params):  # a quantized weight: how its bytes encode it
             if getattr(p, "zerokit_packed", None):
                 params[names_of.get(names[0], names[0])]["packed"] = str(p.zerokit_packed)
-    expected = snapshot_files(engine.world_size)
+    expected = snapshot_files(engine.world_size, model_files(files))
     assert set(files) == expected, (sorted(files), sorted(expected))
     return {
         "format": FORMAT, "version": VERSION,
@@ -240,8 +362,12 @@ def check_meta(meta, meta_path: str) -> dict:
     world_size = meta.get("world_size")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"{meta_path}: 'world_size' is {world_size!r}, not a positive integer")
-    expected = snapshot_files(world_size)
     files = meta.get("files", {})
+    try:
+        model = model_files(files if isinstance(files, dict) else {})
+    except ValueError:  # no valid set of model files: refused below, listing what a snapshot holds
+        model = [MODEL_FILE]
+    expected = snapshot_files(world_size, model)
     if not isinstance(files, dict) or set(files) != expected or not all(is_record(r) for r in files.values()):
         raise ValueError(f"{meta_path}: its file list {sorted(files)} is not {sorted(expected)} with sizes and "
                          f"{HASH} digests")

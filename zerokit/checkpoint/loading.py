@@ -3,14 +3,16 @@
 [Note: loading]
 Loading needs one collective. Every rank reads current.json and meta.json (checked against the
 pointer's digest) and checks the rank files it reads slices of and rank file i for every
-i % world_size == rank; rank 0 checks the model file (and a rank whose read of it fails checks
-it too, to name a corruption rather than its symptom), so each file is checked by some rank
-without every rank reading every file. One all-gather of the verdicts, and of which snapshot
-each rank read, lets every rank raise the same ValueError — naming the file or the parameter —
-before anything is written into the engine and before a later collective could hang; ranks that
-read different snapshots refuse too. Of the model file a rank reads, a tensor slice at a time,
-only the range of each flat param it keeps (`engine.kept_range`: its shard at stage 3, so 4Ψ/N
-bytes, all 4Ψ at stages 0-2, whose params are whole); the stage's `load_flat_params` writes
+i % world_size == rank; rank 0 checks the model file (saved as Hugging Face shards, format.py
+[Note: sharded model files]: model file j of the K shards and their index, rank j % world_size),
+and a rank whose read of one fails checks them all, to name a corruption rather than its symptom;
+so each file is checked by some rank without every rank reading every file. One all-gather of the
+verdicts, and of which snapshot each rank read, lets every rank raise the same ValueError — naming
+the file or the parameter — before anything is written into the engine and before a later
+collective could hang; ranks that read different snapshots refuse too. Shards are read as one file
+would be, each key from the shard whose header holds it. Of the model a rank reads, a tensor slice
+at a time, only the range of each flat param it keeps (`engine.kept_range`: its shard at stage 3,
+so 4Ψ/N bytes, all 4Ψ at stages 0-2, whose params are whole); the stage's `load_flat_params` writes
 them into its own storage, and this rank's masters and optimizer state are installed.
 
 [Note: hyperparameters]
@@ -33,8 +35,8 @@ import torch
 
 from zerokit.checkpoint.commit import raise_on_every_rank
 from zerokit.checkpoint.format import (
-    MASTER, MODEL_FILE, SafetensorsReader, Snapshot, json_number, master_start, open_checkpoint, parse_piece_key,
-    rank_file, trainable_with_masters, verify_file)
+    MASTER, MODEL_INDEX_FILE, SafetensorsReader, Snapshot, json_number, master_start, model_files,
+    open_checkpoint, parse_piece_key, rank_file, trainable_with_masters, verify_file)
 
 
 @dataclass
@@ -98,19 +100,20 @@ def committed_snapshot(directory: str | os.PathLike) -> str:
 def load_full_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The plain, unsharded state_dict a checkpoint holds (every key, aliases expanded). No process group.
 
-    Reads the committed snapshot's meta.json and model file, both checked against their sha256.
+    Reads the committed snapshot's meta.json and model file(s) (model.safetensors, or its shards and their
+    index), each checked against its sha256.
     """
     snapshot = open_checkpoint(os.fspath(directory))
-    path = os.path.join(snapshot.path, MODEL_FILE)
-    verify_file(path, snapshot.meta["files"][MODEL_FILE], snapshot.meta_path)
+    for name in model_files(snapshot.meta["files"]):
+        verify_file(os.path.join(snapshot.path, name), snapshot.meta["files"][name], snapshot.meta_path)
     out: dict[str, torch.Tensor] = {}
-    with _open_safetensors(path) as f:
+    with _open_model(snapshot.path, snapshot.meta) as f:
         for key in f.keys():
             out[key] = f.get_tensor(key)
-    for alias, target in snapshot.meta["aliases"].items():
-        if target not in out:
-            raise ValueError(f"{path}: {alias!r} is an alias of {target!r}, which the file does not hold")
-        out[alias] = out[target]
+        for alias, target in snapshot.meta["aliases"].items():
+            if target not in out:
+                raise ValueError(f"{f.path}: {alias!r} is an alias of {target!r}, which the file does not hold")
+            out[alias] = out[target]
     return out
 
 
@@ -124,6 +127,48 @@ def _open_safetensors(path: str):
         raise ValueError(f"{path}: cannot read it ({type(exc).__name__}: {exc})") from exc
     with handle as f:
         yield f
+
+
+class _ModelFiles:
+    """A snapshot's model file(s) read as one: `keys()`, `get_slice(key)`, `get_tensor(key)` from whichever
+    file's header holds the key (every file's header is read; no data until asked); `path` names them all,
+    `path_of(key)` the one holding the key."""
+
+    def __init__(self, directory: str, names: list[str], stack: contextlib.ExitStack):
+        self.paths = [os.path.join(directory, name) for name in names]
+        self.path = self.paths[0] if len(self.paths) == 1 else \
+            os.path.join(directory, f"model-*-of-{len(self.paths):05d}.safetensors")
+        self._file_of: dict[str, SafetensorsReader] = {}
+        for path in self.paths:
+            if not os.path.isfile(path):
+                raise ValueError(f"{path} is missing")
+            f = stack.enter_context(_open_safetensors(path))
+            for key in f.keys():
+                if key in self._file_of:
+                    raise ValueError(f"{path}: {key!r} is also in {self._file_of[key].path}")
+                self._file_of[key] = f
+
+    def keys(self) -> list[str]:
+        return list(self._file_of)
+
+    def path_of(self, key: str) -> str:
+        return self._file_of[key].path
+
+    def get_slice(self, key: str):
+        if key not in self._file_of:
+            raise KeyError(f"{self.path} has no tensor {key!r}")
+        return self._file_of[key].get_slice(key)
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self._file_of[key].get_tensor(key)
+
+
+@contextlib.contextmanager
+def _open_model(directory: str, meta: dict):
+    """The snapshot's model file(s), as meta.json lists them, opened as one `_ModelFiles`."""
+    names = [name for name in model_files(meta["files"]) if name != MODEL_INDEX_FILE]
+    with contextlib.ExitStack() as stack:
+        yield _ModelFiles(directory, names, stack)
 
 
 # ====================================================================== verify and plan
@@ -141,18 +186,20 @@ def _read(engine, directory: str) -> tuple[_Plan, Snapshot]:
             verify_file(os.path.join(snapshot.path, name), meta["files"][name], meta_path)
             checked.add(name)
 
-    # See [Note: loading]: rank 0 the model file, rank files i = rank (mod world size), and below the rank
-    # files this rank reads slices of; the verdict gather in `load` makes every rank hear of any.
+    # See [Note: loading]: model files j and rank files i = rank (mod world size), and below the rank files this
+    # rank reads slices of; the verdict gather in `load` makes every rank hear of any.
     n_saved = int(meta["world_size"])
-    if engine.rank == 0:
-        verify(MODEL_FILE)
+    model = model_files(meta["files"])  # [model.safetensors], or the shards and their index
+    for j in range(engine.rank, len(model), engine.world_size):
+        verify(model[j])
     for r in range(engine.rank, n_saved, engine.world_size):
         verify(rank_file(r, n_saved))
     plan = _Plan(meta)
     try:
         _read_model_file(engine, snapshot.path, meta, plan)
     except Exception:
-        verify(MODEL_FILE)  # rank 0 checks it, but a corruption may be what broke this rank's read: name it
+        for name in model:  # another rank checks them, but a corruption may be what broke this rank's read: name it
+            verify(name)
         raise
     try:
         used = _read_rank_files(engine, snapshot.path, meta, plan)
@@ -171,12 +218,10 @@ def _read(engine, directory: str) -> tuple[_Plan, Snapshot]:
 def _read_model_file(engine, directory: str, meta: dict, plan: _Plan) -> None:
     """Each flat param's range this rank keeps (`engine.kept_range`: its shard at stage 3, all of it below), read
     from the model file a tensor slice at a time, every shape checked first; the buffers whole."""
-    path = os.path.join(directory, MODEL_FILE)
-    if not os.path.isfile(path):
-        raise ValueError(f"{path} is missing")
     aliases = meta["aliases"]
     expected = engine.module.state_dict(keep_vars=True)  # names and shapes only (stage 3: no data)
-    with _open_safetensors(path) as f:
+    with _open_model(directory, meta) as f:
+        path = f.path
         stored = set(f.keys())
         saved_names = stored | {a for a, target in aliases.items() if target in stored}
         missing = [k for k in expected if k not in saved_names]
@@ -189,8 +234,8 @@ def _read_model_file(engine, directory: str, meta: dict, plan: _Plan) -> None:
         for name, t in expected.items():  # every shape, before any tensor is read
             shape = tuple(f.get_slice(aliases.get(name, name)).get_shape())
             if shape != tuple(t.shape):
-                raise ValueError(f"{path}: {name!r} has shape {shape} in the checkpoint, "
-                                 f"{tuple(t.shape)} in this model")
+                raise ValueError(f"{f.path_of(aliases.get(name, name))}: {name!r} has shape {shape} in the "
+                                 f"checkpoint, {tuple(t.shape)} in this model")
 
         param_ids = set()
         for fp in engine.flat_params:

@@ -5,7 +5,9 @@
 
 [Note: loading pretrained weights]
 `path` is a `.safetensors` file, or a directory holding `model.safetensors` or a Hugging Face sharded
-checkpoint (`model.safetensors.index.json`, whose "weight_map" names the file of every key). Every
+checkpoint (`model.safetensors.index.json`, whose "weight_map" names the file of every key), or a
+zerokit checkpoint directory (its current.json followed to the committed snapshot, whose model file
+or shards and index are those; the optimizer state there is not read: `engine.load` resumes). Every
 rank opens the files (nothing is read yet), checks every key against the
 model, and reads, a tensor slice at a time, only the range of each flat param it keeps
 (`engine.kept_range`: its shard at stage 3, everything at stages 0-2, whose params are whole), cast to
@@ -44,20 +46,25 @@ import os
 import torch
 
 from zerokit.checkpoint.commit import raise_if_any
-from zerokit.checkpoint.format import SafetensorsReader, master_start, trainable_with_masters
+from zerokit.checkpoint.format import (
+    MODEL_FILE, MODEL_INDEX_FILE, POINTER_FILE, SafetensorsReader, master_start, open_checkpoint,
+    trainable_with_masters)
 from zerokit.checkpoint.loading import _read_flat_range
 from zerokit.core.flat_param import is_packed
 from zerokit.quant import quantize_range
 
 PACKED_SUFFIX = "_quant"  # a quantized layer's `<layer>.weight_quant` (zerokit/quant.py) stands for `<layer>.weight`
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
+INDEX_FILE = MODEL_INDEX_FILE
+SINGLE_FILE = MODEL_FILE
 
 
 def weight_files(path: str | os.PathLike) -> dict[str, str]:
-    """key -> the file holding it, for a .safetensors file, a directory with model.safetensors, or an HF index."""
+    """key -> the file holding it, for a .safetensors file, a directory with model.safetensors, an HF index, or a
+    zerokit checkpoint directory (its committed snapshot's model file(s))."""
     path = os.fspath(path)
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, POINTER_FILE)):
+        path = open_checkpoint(path).path  # current.json checked and followed
     if os.path.isdir(path):
         index = os.path.join(path, INDEX_FILE)
         if os.path.isfile(index):

@@ -7,9 +7,11 @@ changes. Not under torchrun it spawns `--nproc` gloo ranks on this machine itsel
 `--save-every K`; `--resume DIR` loads one, at any stage, world size or precision, and continues
 from that step; `--resume auto` does so from --save's DIR when it holds a committed checkpoint
 and starts fresh when it holds none, so a restarted or resubmitted job reruns the same command.
-A checkpoint holds the whole training position ([Note: the training position]). SIGTERM or
-SIGUSR1 to any rank stops every rank after the same step, which is saved: exit status 75
-(EX_TEMPFAIL, "try again"); core/preemption.py [Note: agreeing to stop].
+`--max-shard-size SIZE` writes each checkpoint's model as Hugging Face's sharded files and index
+(checkpoint/format.py [Note: sharded model files]). A checkpoint holds the whole training position
+([Note: the training position]). SIGTERM or SIGUSR1 to any rank stops every rank after the same
+step, which is saved: exit status 75 (EX_TEMPFAIL, "try again"); core/preemption.py [Note:
+agreeing to stop].
 
 [Note: the training position]
 What a step computes is a function of the weights, the optimizer and loss-scaler state (in the
@@ -83,10 +85,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "stop signal (SIGTERM, SIGUSR1)")
     p.add_argument("--save-every", type=positive_int, default=None, metavar="K",
                    help="with --save: also commit a checkpoint every K optimizer steps")
+    p.add_argument("--max-shard-size", type=shard_size, default=None, metavar="SIZE",
+                   help="with --save: write the model as Hugging Face's sharded files of at most SIZE each "
+                        "(\"5GB\", \"500MB\", or bytes) and model.safetensors.index.json, as save_pretrained("
+                        "max_shard_size=SIZE) does (default: one model.safetensors)")
     p.add_argument("--resume", metavar="DIR|auto", default=None,
                    help="load a checkpoint (any stage / world size / precision) and continue from its step "
                         "up to --steps in total; auto: from --save's DIR if it holds a committed checkpoint, "
                         "else start fresh")
+
+
+def shard_size(text: str) -> str:
+    """--max-shard-size: checked as engine.save reads it (checkpoint/format.py `parse_shard_size`), kept as given."""
+    from zerokit.checkpoint.format import parse_shard_size
+    try:
+        parse_shard_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal after committing; rerun the command to continue
@@ -147,7 +163,8 @@ def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
             done = step + 1
             stop = engine.stop_requested()  # a collective: every rank stops after the same step
             if cfg.get("save") and (stop or done == cfg["steps"] or (every and done % every == 0)):
-                engine.save(cfg["save"], extra=position(cfg, done, world_size))  # a collective
+                engine.save(cfg["save"], extra=position(cfg, done, world_size),  # a collective
+                            max_shard_size=cfg.get("max_shard_size"))
             if bar is not None:
                 elapsed = time.perf_counter() - start
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step * len(losses) / elapsed:,.0f}")
@@ -265,6 +282,8 @@ def check_arguments(cfg: dict) -> None:
             raise ValueError(f"--shard-group-size: {exc}") from None
     if cfg.get("save_every") is not None and not cfg.get("save"):
         raise ValueError("--save-every K commits a checkpoint into --save DIR every K steps: pass --save DIR")
+    if cfg.get("max_shard_size") is not None and not cfg.get("save"):
+        raise ValueError("--max-shard-size SIZE splits the model file of --save DIR's checkpoints: pass --save DIR")
     if cfg.get("resume") == "auto" and not cfg.get("save"):
         raise ValueError("--resume auto resumes from --save DIR when it holds a checkpoint: pass --save DIR")
     if cfg.get("resume") and cfg["resume"] != "auto" and not os.path.isdir(cfg["resume"]):
