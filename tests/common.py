@@ -203,6 +203,24 @@ def train_zerokit(rank: int, world_size: int, stage: int, optimizer_cls, opt_kwa
     return torch.stack(losses), engine.state_dict(full=True), engine
 
 
+class TorchModules(nn.Module):
+    """torch's built-in modules with their own reset_parameters (MultiheadAttention reaches into its child):
+    the meta and deferred builds must give their eager values (test_meta_init.py, test_deferred_init.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 16, padding_idx=0)
+        self.mha = nn.MultiheadAttention(16, 4)
+        self.conv = nn.Conv1d(16, 8, 3)
+        self.bn = nn.BatchNorm1d(8)
+        self.gru = nn.GRU(8, 8)
+        self.ln = nn.LayerNorm(8)
+        self.lin = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.lin(self.ln(x))
+
+
 def train_on_tokens(engine, steps: int, seed: int, vocab: int) -> list[float]:
     """`steps` plain training steps of a GPT engine on random (2, 8) token batches from `seed`: the losses."""
     g = torch.Generator().manual_seed(seed)

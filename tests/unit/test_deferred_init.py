@@ -16,21 +16,9 @@ import zerokit as zk
 from zerokit.core.deferred import LazyTensor, is_lazy, value
 from zerokit.models import GPT, Block, preset
 
-from common import train_on_tokens
+from common import TorchModules
 
 transformers = pytest.importorskip("transformers")
-
-
-class TorchModules(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(10, 16, padding_idx=0)
-        self.mha = nn.MultiheadAttention(16, 4)
-        self.conv = nn.Conv1d(16, 8, 3)
-        self.bn = nn.BatchNorm1d(8)
-        self.gru = nn.GRU(8, 8)
-        self.ln = nn.LayerNorm(8)
-        self.lin = nn.Linear(8, 10)
 
 
 class Idioms(nn.Module):

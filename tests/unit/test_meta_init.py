@@ -12,24 +12,7 @@ from torch import nn
 import zerokit as zk
 from zerokit.models import GPT, Block, preset
 
-from common import train_on_tokens
-
-
-class TorchModules(nn.Module):
-    """torch's built-in modules with their own reset_parameters (MultiheadAttention reaches into its child)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(10, 16, padding_idx=0)
-        self.mha = nn.MultiheadAttention(16, 4)
-        self.conv = nn.Conv1d(16, 8, 3)
-        self.bn = nn.BatchNorm1d(8)
-        self.gru = nn.GRU(8, 8)
-        self.ln = nn.LayerNorm(8)
-        self.lin = nn.Linear(8, 10)
-
-    def forward(self, x):
-        return self.lin(self.ln(x))
+from common import TorchModules, train_on_tokens
 
 
 class TiedAfterInit(nn.Module):
