@@ -33,7 +33,8 @@ import torch
 from zerokit.checkpoint.format import (
     FORMAT, MASTER, META_FILE, MODEL_INDEX_FILE, MODEL_METADATA, POINTER_FILE, POINTER_LEFTOVER, SNAPSHOT_NAME,
     SafetensorsWriter, aliases, build_meta, digest_bytes, master_start, meta_bytes, model_index_bytes, model_layout,
-    new_snapshot_name, parse_shard_size, piece_key, pointer, rank_file, state_kinds, trainable_with_masters)
+    new_snapshot_name, merge_kinds, parse_shard_size, piece_key, pointer, rank_file, state_kinds,
+    trainable_with_masters)
 
 
 def save(engine, directory: str | os.PathLike, extra: dict | None = None, max_shard_size: int | str | None = None
@@ -90,9 +91,9 @@ def save(engine, directory: str | os.PathLike, extra: dict | None = None, max_sh
                 records[name] = _write_rank_file(engine, snapshot_path, kinds, aliases(engine.module))
         except Exception as exc:
             problems.append(f"{type(exc).__name__}: {exc}")
-    everyone = engine.comm.all_gather_object((problems, records), label="checkpoint save: every rank's files written",
-                                             phase="checkpoint")
-    errors = [f"rank {r}: {msg}" for r, (theirs, _) in enumerate(everyone) for msg in theirs]
+    everyone = engine.comm.all_gather_object((problems, records, kinds),
+                                             label="checkpoint save: every rank's files written", phase="checkpoint")
+    errors = [f"rank {r}: {msg}" for r, (theirs, _, _) in enumerate(everyone) for msg in theirs]
     if errors:
         if engine.comm.world_rank == 0:  # every rank has stopped writing: the half-written snapshot can go
             shutil.rmtree(snapshot_path, ignore_errors=True)
@@ -102,7 +103,8 @@ def save(engine, directory: str | os.PathLike, extra: dict | None = None, max_sh
     if engine.comm.world_rank == 0:
         committed = False
         try:
-            files = {name: record for _, theirs in everyone for name, record in theirs.items()}
+            files = {name: record for _, theirs, _ in everyone for name, record in theirs.items()}
+            kinds = merge_kinds([theirs for _, _, theirs in everyone])  # whole-parameter path: each rank's own keys
             meta_record = _write_meta(snapshot_path, build_meta(engine, kinds, extra, files))
             _commit(directory, snapshot, meta_record)
             committed = True
@@ -174,10 +176,22 @@ def _write_rank_file(engine, directory: str, kinds: dict[str, str], names_of: di
             a = lo + piece.shard_offset - base  # where the piece sits in the master tensor
             b = a + piece.numel
             tensors[piece_key(MASTER, name, piece.start, piece.end)] = master.detach()[a:b].float()
+            if engine.optimizer.whole is not None:
+                continue  # states by owned parameter, below
             for key, kind in kinds.items():
                 value = master_state[key].detach()
                 tensors[piece_key(f"state.{key}", name, piece.start, piece.end)] = (
                     value[a:b] if kind == "elementwise" else value)
+    # The whole-parameter path (optim/whole_params.py): each owned parameter's states, whole, as pieces
+    # [0, numel) of its name; elementwise ones flat, so a flat-path engine reads any range of them.
+    fps = [fp for fp, _m in trainable_with_masters(engine)]
+    for own in engine.optimizer.owned():
+        fp = fps[own.buffer]
+        name = names_of.get(fp.names[own.index][0], fp.names[own.index][0])
+        for key, value in engine.optimizer.optimizer.state.get(own.tensor, {}).items():
+            kind = kinds[key]
+            tensors[piece_key(f"state.{key}", name, 0, own.numel)] = (
+                value.detach().reshape(-1) if kind == "elementwise" else value.detach())
     path = os.path.join(directory, rank_file(engine.rank, engine.world_size))
     writer = None
     try:

@@ -263,8 +263,25 @@ def trainable_with_masters(engine) -> list[tuple[object, torch.Tensor]]:
 
 
 def state_kinds(engine) -> dict[str, str]:
-    """Optimizer state key -> "elementwise" (shaped like the master) or "scalar" (0-dim), checked."""
+    """Optimizer state key -> "elementwise" (shaped like the master) or "scalar" (0-dim), checked.
+
+    On the whole-parameter path (optim/whole_params.py) a state is "elementwise" when shaped like its
+    parameter, "scalar" when 0-dim, and "whole" otherwise (Adafactor's row and column statistics): saved
+    whole by the parameter's owner, read whole by its owner at the loading world size. This rank's view: a
+    rank that owns nothing knows no key, so the save merges every rank's (`merge_kinds`)."""
     kinds: dict[str, str] = {}
+    if engine.optimizer.whole is not None:
+        for own in engine.optimizer.owned():
+            for key, value in engine.optimizer.optimizer.state.get(own.tensor, {}).items():
+                if not torch.is_tensor(value):
+                    raise ValueError(f"optimizer state {key!r} of {engine.optimizer.name} is not a tensor "
+                                     f"({type(value).__name__}): a sharded checkpoint holds tensors")
+                kind = ("scalar" if value.dim() == 0 else "elementwise" if value.shape == own.tensor.shape
+                        else "whole")
+                if kinds.setdefault(key, kind) != kind:
+                    raise ValueError(f"optimizer state {key!r} of {engine.optimizer.name} is {kind} for some "
+                                     f"parameters and {kinds[key]} for others: a sharded checkpoint cannot hold it")
+        return kinds
     for fp, master in trainable_with_masters(engine):
         for key, value in engine.optimizer.state_of(master).items():
             if torch.is_tensor(value) and value.shape == master.shape:
@@ -279,6 +296,17 @@ def state_kinds(engine) -> dict[str, str]:
             if kinds.setdefault(key, kind) != kind:
                 raise ValueError(f"optimizer state {key!r} is elementwise for some params and scalar for others")
     return kinds
+
+
+def merge_kinds(every_rank: list[dict[str, str]]) -> dict[str, str]:
+    """One state-kind table from every rank's `state_kinds` (equal on the flat path; on the whole-parameter
+    path each rank knows the keys of the parameters it owns)."""
+    out: dict[str, str] = {}
+    for kinds in every_rank:
+        for key, kind in kinds.items():
+            if out.setdefault(key, kind) != kind:
+                raise ValueError(f"optimizer state {key!r} is {kind} on one rank and {out[key]} on another")
+    return out
 
 
 # ====================================================================== meta.json
@@ -308,19 +336,14 @@ def build_meta(engine, kinds: dict[str, str], extra: dict | None, files: dict[st
     """meta.json's content for `engine`, given every file's record."""
     optimizer = engine.optimizer
     names_of = aliases(engine.module)
-    fp_of_master = {id(m): fp for fp, m in trainable_with_masters(engine)}
+    trainable = [fp for fp, _m in trainable_with_masters(engine)]
     groups = []
-    for group in optimizer.param_groups:
-        fps = [fp_of_master[id(m)] for m in group["params"] if id(m) in fp_of_master]
+    for group, shards in zip(optimizer.param_groups, optimizer.group_shards):
+        fps = [trainable[k] for k in shards]
         names = [names_of.get(names[0], names[0]) for fp in fps for names in fp.names]
         hyper = {k: json_number(v) for k, v in group.items() if k != "params"}
         groups.append({"params": names, "hyperparameters": {k: v for k, v in hyper.items() if v is not None}})
-    step = None
-    for _fp, master in trainable_with_masters(engine):
-        value = optimizer.state_of(master).get("step")
-        if value is not None:
-            step = int(float(value))
-            break
+    step = optimizer.first_step_count()
     params = {}
     for fp in engine.flat_params:
         for names, shape in zip(fp.names, fp.layout.shapes):

@@ -48,6 +48,7 @@ class _Plan:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     masters: list[torch.Tensor] = field(default_factory=list)  # like optimizer.master_shards
     states: list[dict[str, torch.Tensor]] = field(default_factory=list)  # like master_shards
+    owned_states: list[dict[str, torch.Tensor]] = field(default_factory=list)  # like optimizer.owned()
     hyper: list[dict] = field(default_factory=list)  # per optimizer param group
     hyper_changes: list[str] = field(default_factory=list)  # "key old -> new for 'name' ...", for the warning
 
@@ -312,6 +313,15 @@ def _read_rank_files(engine, directory: str, meta: dict, plan: _Plan) -> set[int
         # together; a master holding only padding takes them from the first master piece.
         first_master_piece = next((pieces[0] for (kind, _), pieces in index.items() if kind == MASTER), None)
 
+        whole = engine.optimizer.whole is not None
+        if "whole" in kinds.values() and not whole:
+            raise ValueError(f"{paths[0]}: optimizer states {sorted(k for k, v in kinds.items() if v == 'whole')} "
+                             "were saved whole per parameter (an optimizer that needs whole parameters: "
+                             "optim/whole_params.py); this engine steps flat shards: load it into an engine whose "
+                             "optimizer class is not declared elementwise")
+        if whole:
+            plan.owned_states = _read_owned_states(engine, kinds, index, files, paths, aliases, used)
+            kinds = {}  # the masters carry no state on this path
         for fp, master in trainable_with_masters(engine):
             base = master_start(fp, master)
             size = master.numel()
@@ -350,6 +360,33 @@ def _read_rank_files(engine, directory: str, meta: dict, plan: _Plan) -> set[int
     return used
 
 
+def _read_owned_states(engine, kinds: dict[str, str], index: dict, files, paths, aliases, used: set[int]) -> list:
+    """The whole-parameter path's states of each parameter this rank owns (optim/whole_params.py): elementwise
+    ones assembled from whichever saved pieces cover the parameter (saved by either path), scalar and whole
+    ones from any file holding the parameter's."""
+    fps = [fp for fp, _m in trainable_with_masters(engine)]
+    out = []
+    for own in engine.optimizer.owned():
+        fp = fps[own.buffer]
+        name = aliases.get(fp.names[own.index][0], fp.names[own.index][0])
+        shape = tuple(own.tensor.shape)
+        states = {}
+        for key, kind in kinds.items():
+            pieces = index.get((f"state.{key}", name), [])
+            if not pieces:  # a key other parameters have (Adafactor: "variance" for vectors, row/col_var for
+                continue    # matrices), or a parameter not yet stepped
+            if kind == "elementwise":
+                flat = torch.zeros(own.numel, dtype=torch.float32)
+                used |= _fill(flat, pieces, 0, own.numel, files, paths, name, f"state.{key}")
+                states[key] = flat.view(shape)
+            else:
+                _s, _e, r, piece = pieces[0]
+                used.add(r)
+                states[key] = files[r].get_tensor(piece)
+        out.append(states)
+    return out
+
+
 def _fill(out: torch.Tensor, pieces: list, a: int, b: int, files, paths, name: str, kind: str) -> set[int]:
     """out[:] = elements [a, b) of `name`'s `kind`, copied from the overlapping saved pieces; returns their ranks."""
     covered = torch.zeros(b - a, dtype=torch.bool)
@@ -376,11 +413,10 @@ def _match_hyperparameters(engine, meta: dict, meta_path: str) -> tuple[list[dic
     aliases = meta["aliases"]
     saved_of = {name: group["hyperparameters"] for group in meta["optimizer"]["param_groups"]
                 for name in group["params"]}
-    fp_of_master = {id(m): fp for fp, m in trainable_with_masters(engine)}
+    trainable = [fp for fp, _m in trainable_with_masters(engine)]
     out, changes = [], []
-    for group in engine.optimizer.param_groups:
-        names = [aliases.get(n[0], n[0]) for m in group["params"] if id(m) in fp_of_master
-                 for n in fp_of_master[id(m)].names]
+    for group, shards in zip(engine.optimizer.param_groups, engine.optimizer.group_shards):
+        names = [aliases.get(n[0], n[0]) for k in shards for n in trainable[k].names]
         hyper: dict = {}
         first: dict[str, str] = {}  # key -> the parameter whose saved value the group takes
         for name in names:
@@ -423,6 +459,11 @@ def _install(engine, plan: _Plan) -> None:
                 key: (t.to(master.device, master.dtype) if t.dim() > 0
                       else t.to(master.device) if fused[id(master)] else t.clone())
                 for key, t in states.items()})
+        for own, states in zip(optimizer.owned(), plan.owned_states):  # the whole-parameter path's
+            optimizer.optimizer.state[own.tensor] = {
+                key: (t.to(own.tensor.device, own.tensor.dtype) if t.dim() > 0
+                      else t.to(own.tensor.device) if fused[id(own.tensor)] else t.clone())
+                for key, t in states.items()}
         for group, hyper in zip(optimizer.param_groups, plan.hyper):
             for key, value in hyper.items():
                 if key in group:

@@ -102,7 +102,7 @@ def load_weights(engine, path: str | os.PathLike, strict: bool = True) -> dict[s
             lo, _hi = engine.kept_range(fp)
             at = master_start(fp, master) - lo
             master.copy_(kept[fp.index][at:at + master.numel()])  # fp32, exact (fp32: the param shard)
-            engine.optimizer.set_state(master, {})  # as before a first step
+        engine.optimizer.clear_states()  # as before a first step
     engine.zero_grad()
     return report
 

@@ -71,6 +71,7 @@ from __future__ import annotations
 import torch
 
 from zerokit.core.precision import LossScaler, PrecisionPolicy, has_inf_or_nan
+from zerokit.optim.whole_params import WholeParams, is_elementwise
 
 
 # Under a cast (bf16/fp16 gradients, fp32 masters) one optimizer.step() updates at most about this
@@ -85,9 +86,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer_cls: type[torch.optim.Optimizer], optimizer_kwargs: dict,
                  param_shards: list[torch.Tensor], options: list[dict],
                  policy: PrecisionPolicy, comm, scaler: LossScaler | None = None,
-                 master_init: list[torch.Tensor] | None = None):
+                 master_init: list[torch.Tensor] | None = None, layouts: list | None = None):
         """`master_init`: fp32 values the master shards start from (aligned with param_shards);
-        by default the param shards themselves, which under bf16/fp16 are already rounded."""
+        by default the param shards themselves, which under bf16/fp16 are already rounded.
+        `layouts`: each shard's FlatParamLayout, for an optimizer that needs whole parameters
+        (optim/whole_params.py [Note: elementwise or whole parameters])."""
         assert len(param_shards) == len(options)
         self.policy, self.comm, self.scaler = policy, comm, scaler
         self.steps_called = 0  # step() calls, skipped ones included: the same on every rank
@@ -98,10 +101,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.master_shards = [m.detach().to(policy.master_dtype).clone() for m in sources]
         else:
             self.master_shards = param_shards  # fp32 training: the shard itself, a view
+        # The flat path steps the master shards; the whole-parameter path the parameters each rank owns, in
+        # their module shapes ([Note: elementwise or whole parameters]).
+        self.whole = None
+        if not is_elementwise(optimizer_cls):
+            assert layouts is not None and len(layouts) == len(param_shards)
+            self.whole = WholeParams(layouts, self.master_shards, comm)
         groups: dict[tuple, list[torch.Tensor]] = {}
-        for master, opts in zip(self.master_shards, options):
-            groups.setdefault(tuple(sorted(opts.items())), []).append(master)
+        shards_of: dict[tuple, list[int]] = {}
+        for k, (master, opts) in enumerate(zip(self.master_shards, options)):
+            params = [master] if self.whole is None else self.whole.params(k)
+            groups.setdefault(tuple(sorted(opts.items())), []).extend(params)
+            shards_of.setdefault(tuple(sorted(opts.items())), []).append(k)
         param_groups = [{"params": masters, **dict(key)} for key, masters in groups.items()]
+        # group_shards[g]: which shards param group g steps (the same on every rank, whichever path)
+        self.group_shards: list[list[int]] = list(shards_of.values())
         if not param_groups:  # nothing trainable: keep a valid (empty-shard) optimizer
             param_groups = [{"params": [torch.zeros(0, dtype=policy.master_dtype)]}]
         try:
@@ -223,8 +237,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     master.grad = grad.to(master.dtype)  # (shard_numel,) fp32, transient
                     if multiplier is not None:
                         master.grad.mul_(multiplier)
-            # 3. update (the masters outside the chunk have no .grad: the optimizer skips them)
-            self.optimizer.step()
+            # 3. update (the masters outside the chunk have no .grad: the optimizer skips them); an optimizer
+            #    that needs whole parameters steps each owned parameter in its shape: optim/whole_params.py
+            if self.whole is None:
+                self.optimizer.step()
+            else:
+                held = self.whole.prepare(chunk)
+                self.optimizer.step()
+                self.whole.finish(chunk, held)
+                del held
             # 4. refresh low-precision params; let go of the master gradients (transient copies,
             #    or references that would keep a stage's transient reduce buffer alive)
             for i in chunk:
@@ -243,6 +264,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         consecutive shards whose fp32 copies together stay within `CAST_CHUNK` of the whole
         fp32 gradient, or the largest single shard where that is more. [Note: a step in chunks]
         """
+        if self.whole is not None and any(self.whole.gathers(k) for k in range(len(self.master_shards))):
+            # one buffer per call: its gathered transients are the only ones alive, and a cast's fp32 copy is
+            # one buffer's, within the chunk budget below ([Note: elementwise or whole parameters])
+            return [[k] for k in range(len(self.master_shards))]
         casts = {i for i, (m, g) in enumerate(zip(self.master_shards, grad_shards)) if g.dtype != m.dtype}
         if not casts:
             return [list(range(len(self.master_shards)))]
@@ -280,6 +305,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optimizer.state.pop(master, None)
         if states:
             self.optimizer.state[master] = states
+
+    def owned(self) -> list:
+        """The whole-parameter path's parameters this rank steps (optim/whole_params.py `Owned`), in shard
+        order; [] on the flat path."""
+        return [] if self.whole is None else [own for owned in self.whole.owned for own in owned]
+
+    def clear_states(self) -> None:
+        """Every optimizer state forgotten: as before a first step (new weights were loaded)."""
+        self.optimizer.state.clear()
+
+    def first_step_count(self) -> int | None:
+        """The "step" state of the first parameter this rank steps that has one (None before a first step)."""
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                return int(float(state["step"]))
+        return None
 
     # ledgers -------------------------------------------------------------
     def state_tensors(self) -> list[torch.Tensor]:

@@ -74,7 +74,7 @@ class DDPEngine(Checkpointing, Engine):
             optimizer_cls, optimizer_kwargs,
             param_shards=[self.flat_data[fp.index] for fp in self.trainable],  # the whole buffer: replicated
             options=[fp.options for fp in self.trainable], policy=policy, comm=comm, scaler=scaler,
-            master_init=[fp32_values[fp.index] for fp in self.trainable])
+            master_init=[fp32_values[fp.index] for fp in self.trainable], layouts=self.trainable)
         del fp32_values
         self.tracker = GradReadyTracker(self.flat_params, self._on_grads_ready, self._on_backward_end,
                                         on_first_grad=self._on_first_grad)

@@ -141,7 +141,8 @@ class Zero3Engine(Checkpointing, Engine):
             optimizer_cls, optimizer_kwargs,
             param_shards=[self.param_shards[fp.index] for fp in self.trainable],
             options=[fp.options for fp in self.trainable], policy=policy, comm=comm, scaler=scaler,
-            master_init=[fp32_values[fp.index] for fp in self.trainable])  # not their roundings
+            master_init=[fp32_values[fp.index] for fp in self.trainable],  # not their roundings
+            layouts=self.trainable)
         del fp32_values
         self.tracker = GradReadyTracker(self.flat_params, self._on_grads_ready, self._on_backward_end,
                                         on_first_grad=self._on_first_grad, in_order=False)
