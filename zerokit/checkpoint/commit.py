@@ -34,6 +34,7 @@ from zerokit.checkpoint.format import (
     FORMAT, MASTER, META_FILE, MODEL_INDEX_FILE, MODEL_METADATA, POINTER_FILE, POINTER_LEFTOVER, SNAPSHOT_NAME,
     SafetensorsWriter, aliases, build_meta, digest_bytes, master_start, meta_bytes, model_index_bytes, model_layout,
     new_snapshot_name, parse_shard_size, piece_key, pointer, rank_file, state_kinds, trainable_with_masters)
+from zerokit.core.precision import master_dtype_of
 
 
 def save(engine, directory: str | os.PathLike, extra: dict | None = None, max_shard_size: int | str | None = None
@@ -173,7 +174,7 @@ def _write_rank_file(engine, directory: str, kinds: dict[str, str], names_of: di
             name = names_of.get(fp.names[piece.index][0], fp.names[piece.index][0])  # the model file's key
             a = lo + piece.shard_offset - base  # where the piece sits in the master tensor
             b = a + piece.numel
-            tensors[piece_key(MASTER, name, piece.start, piece.end)] = master.detach()[a:b].float()
+            tensors[piece_key(MASTER, name, piece.start, piece.end)] = master.detach()[a:b].to(master_dtype_of(master.dtype))
             for key, kind in kinds.items():
                 value = master_state[key].detach()
                 tensors[piece_key(f"state.{key}", name, piece.start, piece.end)] = (

@@ -241,7 +241,7 @@ def _read_model_file(engine, directory: str, meta: dict, plan: _Plan) -> None:
         for fp in engine.flat_params:
             lo, hi = engine.kept_range(fp)
             # (hi - lo,) padding stays zero; a quantized base's bytes stay bytes (core/flat_param.py)
-            kept = torch.zeros(hi - lo, dtype=torch.float32 if fp.dtype.is_floating_point else fp.dtype)
+            kept = torch.zeros(hi - lo, dtype=fp.values_dtype)
             for names, offset, numel, p in zip(fp.names, fp.layout.offsets, fp.layout.numels, fp.params):
                 param_ids.add(id(p))
                 a, b = max(lo, offset), min(hi, offset + numel)
@@ -315,8 +315,8 @@ def _read_rank_files(engine, directory: str, meta: dict, plan: _Plan) -> set[int
         for fp, master in trainable_with_masters(engine):
             base = master_start(fp, master)
             size = master.numel()
-            values = torch.zeros(size, dtype=torch.float32)  # (master numel,) padding stays zero
-            states = {key: torch.zeros(size, dtype=torch.float32) for key, kind in kinds.items()
+            values = torch.zeros(size, dtype=master.dtype)  # (master numel,) padding stays zero; fp32 or float64
+            states = {key: torch.zeros(size, dtype=master.dtype) for key, kind in kinds.items()
                       if kind == "elementwise"}  # (master numel,) each
             scalar_source = None  # (start, end, rank, key) of a master piece this master overlaps
             for i, (offset, numel) in enumerate(zip(fp.layout.offsets, fp.layout.numels)):

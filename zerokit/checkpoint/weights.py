@@ -169,7 +169,7 @@ def _read_ranges(engine, path, strict: bool, where: dict[str, str], adapters: se
     for fp in engine.flat_params:
         lo, hi = engine.kept_range(fp)
         out = _current_range(engine, fp, lo, hi) if any(n[0] in missing for n in fp.names) else \
-            torch.zeros(hi - lo, dtype=torch.float32 if fp.dtype.is_floating_point else fp.dtype)
+            torch.zeros(hi - lo, dtype=fp.values_dtype)
         for names, offset, numel, shape, p in zip(fp.names, fp.layout.offsets, fp.layout.numels, fp.layout.shapes,
                                                   fp.params):
             a, b = max(lo, offset), min(hi, offset + numel)
@@ -246,12 +246,12 @@ def _current_range(engine, fp, lo: int, hi: int) -> torch.Tensor:
     """The values flat param `fp` holds now over [lo, hi), fp32: from its master where this rank has one (exact),
     elsewhere from the param storage."""
     if engine.stage == 3:
-        out = engine.param_shards[fp.index].detach().to(torch.float32).clone()
+        out = engine.param_shards[fp.index].detach().to(fp.values_dtype).clone()
     else:
-        out = engine.flat_data[fp.index].detach()[lo:hi].to(torch.float32).clone()
+        out = engine.flat_data[fp.index].detach()[lo:hi].to(fp.values_dtype).clone()
     masters = dict(trainable_with_masters(engine))
     master = masters.get(fp)
     if master is not None:
         at = master_start(fp, master) - lo
-        out[at:at + master.numel()] = master.detach().to(torch.float32)
+        out[at:at + master.numel()] = master.detach().to(out.dtype)
     return out

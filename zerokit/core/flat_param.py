@@ -38,6 +38,7 @@ from torch import nn
 from zerokit.core.bucketing import plan_buckets
 from zerokit.core.materialize import deferred_of, is_deferred
 from zerokit.core.partition import FlatLayout
+from zerokit.core.precision import master_dtype_of
 from zerokit.core.user_grads import ShardedGrad
 
 # The engine's own reads and writes of `.grad` skip Python-level dispatch: a stage-3 parameter whose
@@ -110,23 +111,30 @@ class FlatParamLayout:
                 for o, n, shape in zip(self.layout.offsets, self.layout.numels, self.layout.shapes)]
 
     def flatten_params(self, param_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Move the parameters into flat storage; return (flat_param, fp32 values).
+        """Move the parameters into flat storage; return (flat_param, master-dtype values).
 
         flat_param (padded_numel,) in `param_dtype` becomes every parameter's `.data`; the
-        (padded_numel,) fp32 copy holds the exact original values, which fp32 master shards
-        are seeded from (not from their bf16/fp16 roundings). Under fp32 both are one tensor.
+        (padded_numel,) master-dtype copy (fp32; float64 for a float64 model: core/precision.py
+        [Note: float64 models]) holds the exact original values, which the master shards are
+        seeded from (not from their bf16/fp16 roundings). Under fp32 (and float64) both are one tensor.
         """
         if is_packed(self.params[0]):  # bytes stay bytes: [Note: packed byte parameters]
             flat = self.new_flat()
             self.copy_params_into(flat)
             self.use_as_param_storage(flat)
             return flat, flat
-        fp32 = self.new_flat(torch.float32)
-        self.copy_params_into(fp32)
-        flat_param = fp32 if param_dtype == torch.float32 else fp32.to(param_dtype)
+        master = self.new_flat(master_dtype_of(param_dtype))
+        self.copy_params_into(master)
+        flat_param = master if param_dtype == master.dtype else master.to(param_dtype)
         self.dtype = param_dtype
         self.use_as_param_storage(flat_param)
-        return flat_param, fp32
+        return flat_param, master
+
+    @property
+    def values_dtype(self) -> torch.dtype:
+        """The dtype this flat param's exact values are read and loaded in: its master dtype (fp32; float64 for
+        a float64 model: core/precision.py [Note: float64 models]); a packed byte parameter's own (uint8)."""
+        return master_dtype_of(self.dtype) if self.dtype.is_floating_point else self.dtype
 
     def copy_params_into(self, flat: torch.Tensor) -> None:
         """Write the parameters' current values into `flat` (padding stays zero).
