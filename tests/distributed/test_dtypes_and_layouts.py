@@ -257,3 +257,82 @@ def test_float64_refusals_name_the_fix(fp64):
         for what in ("bf16", "fp16"):
             assert r[what] is not None and "model.float()" in r[what], r
         assert r["reduce_dtype"] is not None and "drop reduce_dtype=" in r["reduce_dtype"], r
+
+
+# -- strides and memory format ----------------------------------------------------------------------------
+def _layout_cases(rank, world_size, tmp):
+    res = {}
+    for family in ("channels_last", "transposed"):
+        for optimizer in OPTIMIZERS:
+            ref = train(rank, world_size, family, optimizer, None)
+            res[(family, optimizer, "ddp")] = ref
+            for stage in STAGES:
+                got = train(rank, world_size, family, optimizer, stage)
+                engine = got.pop("engine")
+                got["max_diff"] = max(_max_diff(got["values"], ref["values"]),
+                                      (got["losses"] - ref["losses"]).abs().max().item())
+                if family == "channels_last" and optimizer == "adamw":
+                    # a channels_last checkpoint into a contiguous model, and that one's back into channels_last
+                    path, back = f"{tmp}/cl_stage{stage}", f"{tmp}/contiguous_stage{stage}"
+                    engine.save(path)
+                    plain = zk.shard(conv_model(seed=1, channels_last=False), torch.optim.AdamW, stage=stage,
+                                     bucket_numel=BUCKET, **OPTIMIZERS["adamw"][1])
+                    plain.load(path)
+                    got["into_contiguous"] = plain.state_dict(full=True)
+                    plain.save(back)
+                    again = zk.shard(conv_model(seed=2), torch.optim.AdamW, stage=stage, bucket_numel=BUCKET,
+                                     **OPTIMIZERS["adamw"][1])
+                    again.load(back)
+                    got["back_into_channels_last"] = again.state_dict(full=True)
+                    # the next step from all three: optimizer states followed the values
+                    for e in (engine, plain, again):
+                        e.zero_grad()
+                        e(*conv_batch(STEPS, rank, world_size)).backward()
+                        e.step()
+                    got["next"] = [e.state_dict(full=True) for e in (engine, plain, again)]
+                res[(family, optimizer, stage)] = got
+    return res
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("layouts")
+    return run_ranks(_layout_cases, 2, str(tmp), store_dir=str(tmp_path_factory.mktemp("rdzv")), timeout_s=280)
+
+
+@pytest.mark.parametrize("family", ["channels_last", "transposed"])
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_parameters_keep_their_strides_and_train_bitwise_as_ddp(layouts, family, optimizer):
+    """channels_last conv weights and a transposed parameter: every stage keeps p.stride() (and
+    channels_last-ness) as DDP does, before and after the steps; stage 0's .grad strides are DDP's; losses
+    and weights equal DDP's bit for bit."""
+    for res in layouts:
+        ref = res[(family, optimizer, "ddp")]
+        strided = [n for n, (_, stride, _) in ref["layout_after"].items()
+                   if stride != torch.empty(ref["values"][n].shape).stride()]
+        assert strided, "the model must hold parameters whose strides are not the contiguous ones"
+        assert ref["layout_after"] == ref["layout_before"]
+        for stage in STAGES:
+            got = res[(family, optimizer, stage)]
+            assert got["layout_built"] == ref["layout_before"], stage
+            assert got["layout_after"] == ref["layout_after"], stage
+            if stage == 0:
+                assert got["grad_layout"] == ref["grad_layout"], stage
+            assert torch.equal(got["losses"], ref["losses"]), (stage, got["losses"] - ref["losses"])
+            for k, v in ref["values"].items():
+                assert torch.equal(got["values"][k], v), (stage, k, (got["values"][k] - v).abs().max())
+
+
+def test_channels_last_checkpoint_loads_into_contiguous_and_back(layouts):
+    """engine.save of a channels_last model loads into a contiguous one with equal values (and that one's
+    save back into channels_last); the next step from each equals the next step from the saved engine."""
+    for res in layouts:
+        for stage in STAGES:
+            got = res[("channels_last", "adamw", stage)]
+            for key in ("into_contiguous", "back_into_channels_last"):
+                for k, v in got["values"].items():
+                    assert torch.equal(got[key][k], v), (stage, key, k)
+            first, *others = got["next"]
+            for other in others:
+                for k, v in first.items():
+                    assert torch.equal(other[k], v), (stage, k)

@@ -24,6 +24,17 @@ it is encoded (format, element count, block size): bytes that encode values, not
 destroy the codes), so every stage keeps, gathers and checkpoints the quantized form: stages 0-2
 replicate it, stage 3 shards and all-gathers its bytes, and `engine.memory()` counts it as
 "quantized_params". The dtype is part of the grouping key, so it never shares a buffer.
+
+[Note: parameters keep their strides]
+A parameter whose strides are not the contiguous ones but are non-overlapping and dense (every element
+of a numel-long block once: a `channels_last` conv weight, a Parameter made from `torch.randn(8, 4).t()`)
+keeps them: its range of the flat buffer holds its elements in its own storage order, and its view (and
+its `.grad` view) is `as_strided` over that range with the user's strides, so the module's kernels see
+the memory format DDP would give them (DDP keeps the parameters as they are), and the same bits come out.
+Elementwise work on the flat buffers (reductions, sharding, the optimizer) does not care about the order
+within a range; whatever maps a range to a parameter's logical elements goes through the views, or through
+`to_storage_order` / `to_logical_order` (a checkpoint holds logical values: zerokit/checkpoint/). Any
+other parameter (overlapping, or a view with gaps) is laid out contiguously, as before.
 """
 from __future__ import annotations
 
@@ -70,6 +81,8 @@ class FlatParamLayout:
         self.options = options  # optimizer hyperparameter overrides shared by these params
         self.rank = rank
         self.layout = FlatLayout.build([tuple(p.shape) for p in params], world_size)
+        # params[i]'s strides where they are not the contiguous ones: [Note: parameters keep their strides]
+        self.strides: list[tuple[int, ...] | None] = [dense_strides(p) for p in params]
         self.device = params[0].device
         self._shown_grads: list = [p.grad for p in params]  # what the engine last put in each `.grad`
         self._grad_views: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # (flat grad, its views)
@@ -105,10 +118,38 @@ class FlatParamLayout:
         return torch.zeros(n, dtype=dtype or self.dtype, device=self.device)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter's view into a (padded_numel,) buffer, shaped like the parameter."""
+        """Each parameter's view into a (padded_numel,) buffer, shaped like the parameter, with its strides
+        ([Note: parameters keep their strides])."""
         assert flat.numel() == self.padded_numel, (flat.numel(), self.padded_numel)
-        return [flat[o:o + n].view(shape)
-                for o, n, shape in zip(self.layout.offsets, self.layout.numels, self.layout.shapes)]
+        return [self.param_view(flat, j) for j in range(len(self.params))]
+
+    def param_view(self, flat: torch.Tensor, j: int) -> torch.Tensor:
+        """params[j]'s view into a (padded_numel,) buffer: its shape, and its strides where it keeps them."""
+        o, n, shape, stride = self.layout.offsets[j], self.layout.numels[j], self.layout.shapes[j], self.strides[j]
+        return flat[o:o + n].view(shape) if stride is None else flat[o:o + n].as_strided(shape, stride)
+
+    def write_params(self, flat: torch.Tensor, js, values, add: bool = False) -> None:
+        """Copy (or add) values[k], a tensor of params[js[k]]'s shape in any layout, into that param's range
+        of a (padded_numel,) buffer, in the range's own element order: a `.grad` user code assigned, or
+        autograd's own gradient."""
+        for j, value in zip(js, values):
+            view = self.param_view(flat, j)
+            view.add_(value) if add else view.copy_(value)
+
+    def to_storage_order(self, j: int, logical: torch.Tensor) -> torch.Tensor:
+        """params[j]'s elements given in logical (row-major) order, (numel,), rearranged into the order its
+        range of the flat buffer holds them ([Note: parameters keep their strides]); itself if contiguous."""
+        if self.strides[j] is None:
+            return logical
+        out = torch.empty(logical.numel(), dtype=logical.dtype, device=logical.device)
+        out.as_strided(self.layout.shapes[j], self.strides[j]).copy_(logical.view(self.layout.shapes[j]))
+        return out
+
+    def to_logical_order(self, j: int, stored: torch.Tensor) -> torch.Tensor:
+        """The inverse of `to_storage_order`: params[j]'s (numel,) range in row-major logical order."""
+        if self.strides[j] is None:
+            return stored
+        return stored.contiguous().as_strided(self.layout.shapes[j], self.strides[j]).reshape(-1)
 
     def flatten_params(self, param_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Move the parameters into flat storage; return (flat_param, master-dtype values).
@@ -321,6 +362,21 @@ def _name_groups(parts: list[list[str]]) -> list[str]:
         return [".".join(common) + ".*"]  # one module's parameters
     # no common module, or entries of one module list: one group each (each shares at least its key)
     return [shown for members in groups.values() for shown in _name_groups(members)]
+
+
+def dense_strides(p: torch.Tensor) -> tuple[int, ...] | None:
+    """p's strides when they are not the contiguous ones but non-overlapping and dense (a permutation of a
+    contiguous layout, size-1 dimensions' strides kept as they are), else None: [Note: parameters keep
+    their strides]. A packed byte parameter is always laid out contiguously."""
+    shape, stride = tuple(p.shape), tuple(p.stride())
+    if p.numel() < 2 or is_packed(p) or p.is_contiguous():
+        return None
+    expected = 1
+    for st, size in sorted((st, size) for size, st in zip(shape, stride) if size != 1):
+        if st != expected:
+            return None
+        expected *= size
+    return stride
 
 
 def is_packed(p: torch.Tensor) -> bool:

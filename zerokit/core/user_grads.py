@@ -324,8 +324,7 @@ class UserGrads:
             state.flat_grad = fp.new_flat()  # (padded_numel,) zeros
         else:
             fp.zero_grad_parts(state.flat_grad, cleared + replaced)
-        for j, view in zip(replaced, fp.grad_views_of(state.flat_grad, replaced)):
-            view.copy_(fp.params[j].grad.reshape(-1))
+        fp.write_params(state.flat_grad, replaced, [fp.params[j].grad for j in replaced])
         fp.use_as_grad_storage(state.flat_grad)  # plain views: autograd accumulates into the full gradient
 
     def restart_grad_shard(self, state, js: list[int]) -> None:
