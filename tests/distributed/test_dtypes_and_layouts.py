@@ -326,12 +326,13 @@ def test_parameters_keep_their_strides_and_train_bitwise_as_ddp(layouts, family,
 def test_channels_last_checkpoint_loads_into_contiguous_and_back(layouts):
     """engine.save of a channels_last model loads into a contiguous one with equal values (and that one's
     save back into channels_last); the next step from each equals the next step from the saved engine."""
-    for res in layouts:
+    for rank, res in enumerate(layouts):
         for stage in STAGES:
             got = res[("channels_last", "adamw", stage)]
             for key in ("into_contiguous", "back_into_channels_last"):
                 for k, v in got["values"].items():
-                    assert torch.equal(got[key][k], v), (stage, key, k)
+                    if rank == 0 or k in dict(ConvNet().named_parameters()):  # buffers: rank 0's are saved
+                        assert torch.equal(got[key][k], v), (stage, key, k)
             first, *others = got["next"]
             for other in others:
                 for k, v in first.items():

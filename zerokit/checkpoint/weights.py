@@ -49,7 +49,7 @@ from zerokit.checkpoint.commit import raise_if_any
 from zerokit.checkpoint.format import (
     MODEL_FILE, MODEL_INDEX_FILE, POINTER_FILE, SafetensorsReader, master_start, open_checkpoint,
     trainable_with_masters)
-from zerokit.checkpoint.loading import _read_flat_range
+from zerokit.checkpoint.loading import _read_param_range
 from zerokit.core.flat_param import is_packed
 from zerokit.quant import quantize_range
 
@@ -170,8 +170,8 @@ def _read_ranges(engine, path, strict: bool, where: dict[str, str], adapters: se
         lo, hi = engine.kept_range(fp)
         out = _current_range(engine, fp, lo, hi) if any(n[0] in missing for n in fp.names) else \
             torch.zeros(hi - lo, dtype=fp.values_dtype)
-        for names, offset, numel, shape, p in zip(fp.names, fp.layout.offsets, fp.layout.numels, fp.layout.shapes,
-                                                  fp.params):
+        for j, (names, offset, numel, shape, p) in enumerate(zip(fp.names, fp.layout.offsets, fp.layout.numels,
+                                                                 fp.layout.shapes, fp.params)):
             a, b = max(lo, offset), min(hi, offset + numel)
             if a < b and names[0] in source:
                 key, how = source[names[0]]
@@ -182,7 +182,7 @@ def _read_ranges(engine, path, strict: bool, where: dict[str, str], adapters: se
                 elif how == "bytes":
                     value = f.read_elements(key, a - offset, b - offset)
                 else:
-                    value = _read_flat_range(f, key, tuple(shape), a - offset, b - offset)
+                    value = _read_param_range(f, key, fp, j, a - offset, b - offset)  # in the range's order
                 out[a - lo:b - lo] = value
         kept.append(out)
     buffers = {}
