@@ -190,6 +190,7 @@ def _fp64_cases(rank, world_size, tmp):
         "bf16": lambda: zk.shard(fp64_model(), torch.optim.SGD, stage=1, precision="bf16", lr=0.1),
         "fp16": lambda: zk.shard(fp64_model(), torch.optim.SGD, stage=2, precision="fp16", lr=0.1),
         "reduce_dtype": lambda: zk.shard(fp64_model(), torch.optim.SGD, stage=2, reduce_dtype=torch.float32, lr=0.1),
+        "tree": lambda: zk.shard(fp64_model(), torch.optim.SGD, stage=1, reduction="tree", lr=0.1),
     }.items():
         try:
             build()
@@ -257,6 +258,7 @@ def test_float64_refusals_name_the_fix(fp64):
         for what in ("bf16", "fp16"):
             assert r[what] is not None and "model.float()" in r[what], r
         assert r["reduce_dtype"] is not None and "drop reduce_dtype=" in r["reduce_dtype"], r
+        assert r["tree"] is not None and "reduction='linear'" in r["tree"], r
 
 
 # -- strides and memory format ----------------------------------------------------------------------------
