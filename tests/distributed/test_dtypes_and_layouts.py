@@ -171,6 +171,20 @@ def _fp64_cases(rank, world_size, tmp):
                     e.step()
                 got["next"], got["loaded_next"] = engine.state_dict(full=True), fresh.state_dict(full=True)
             res[(optimizer, stage)] = got
+    # gradient norms: torch's clip_grad_norm_ over model.parameters() and engine.clip_grad_norm_, in float64
+    norms = {}
+    model = fp64_model()
+    ddp = _build_ddp(model)
+    ddp(*fp64_batch(0, rank, world_size)).backward()
+    norms["ddp"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    for stage in STAGES:
+        model = fp64_model()
+        engine = zk.shard(model, torch.optim.SGD, stage=stage, bucket_numel=BUCKET, wrap=(OddBlock,), lr=0.1)
+        model.zero_grad()
+        engine(*fp64_batch(0, rank, world_size)).backward()
+        norms[("torch", stage)] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        norms[("engine", stage)] = engine.clip_grad_norm_(1e9)
+    res["norms"] = norms
     # the communication ledger: 8 bytes per element of a float64 gradient (4 for the same model in fp32)
     moved = {}
     for name, make in (("fp64", fp64_model), ("fp32", odd_model)):
@@ -248,6 +262,19 @@ def test_float64_communication_counts_8_bytes_per_element(fp64):
     for res in fp64:
         (moved64, numel), (moved32, numel32) = res["ledger"]["fp64"], res["ledger"]["fp32"]
         assert numel == numel32 and moved64 == 2 * 8 * numel and moved32 == 2 * 4 * numel, res["ledger"]
+
+
+def test_float64_gradient_norms_are_float64(fp64):
+    """torch.nn.utils.clip_grad_norm_(model.parameters()) and engine.clip_grad_norm_ at every stage return a
+    float64 norm, as DDP's does, equal to it to float64 rounding (the sum runs in another order: not bitwise)."""
+    for res in fp64:
+        ref = res["norms"]["ddp"]
+        assert ref.dtype == torch.float64
+        for stage in STAGES:
+            for how in ("torch", "engine"):
+                got = res["norms"][(how, stage)]
+                assert got.dtype == torch.float64, (how, stage, got.dtype)
+                assert abs(got.item() - ref.item()) <= 1e-13 * ref.item(), (how, stage, got.item(), ref.item())
 
 
 def test_float64_refusals_name_the_fix(fp64):
