@@ -87,6 +87,15 @@ def fp64_model(seed=0):
     return odd_model(seed).double()
 
 
+def fp64_model_fine(seed=0):
+    """fp64_model with values fp32 cannot hold (the odd model's initial values are fp32 ones, cast up)."""
+    model = fp64_model(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.full_like(p, 1e-12))
+    return model
+
+
 def fp64_batch(step, rank, world_size):
     return odd_batch(step, BATCH, rank, world_size)
 
@@ -185,6 +194,8 @@ def _fp64_cases(rank, world_size, tmp):
         norms[("torch", stage)] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
         norms[("engine", stage)] = engine.clip_grad_norm_(1e9)
     res["norms"] = norms
+    res["load_weights"] = _load_weights_case(rank, tmp, "fp64", fp64_model_fine, lambda: fp64_model(seed=4),
+                                             (OddBlock,))
     # the communication ledger: 8 bytes per element of a float64 gradient (4 for the same model in fp32)
     moved = {}
     for name, make in (("fp64", fp64_model), ("fp32", odd_model)):
@@ -277,6 +288,19 @@ def test_float64_gradient_norms_are_float64(fp64):
                 assert abs(got.item() - ref.item()) <= 1e-13 * ref.item(), (how, stage, got.item(), ref.item())
 
 
+@pytest.mark.parametrize("case", ["fp64", "channels_last"])
+def test_load_weights_keeps_float64_and_fills_strided_parameters(fp64, layouts, case):
+    """engine.load_weights of a safetensors file: a float64 model gets the file's float64 bits (no fp32
+    rounding on the way), a channels_last one the file's logical values, at every stage."""
+    for res in (fp64 if case == "fp64" else layouts):
+        got = res["load_weights"]
+        if case == "fp64":  # the file holds values fp32 would round
+            assert any(not torch.equal(v, v.float().double()) for v in got["file"].values())
+        for stage in STAGES:
+            for k, v in got["file"].items():
+                assert got[stage][k].dtype == v.dtype and torch.equal(got[stage][k], v), (stage, k)
+
+
 def test_float64_refusals_name_the_fix(fp64):
     """What would silently round a float64 model is refused at zk.shard, naming the fix."""
     for res in fp64:
@@ -320,7 +344,26 @@ def _layout_cases(rank, world_size, tmp):
                         e.step()
                     got["next"] = [e.state_dict(full=True) for e in (engine, plain, again)]
                 res[(family, optimizer, stage)] = got
+    res["load_weights"] = _load_weights_case(rank, tmp, "channels_last", lambda: conv_model(seed=3, channels_last=False),
+                                             lambda: conv_model(seed=4), None)
     return res
+
+
+def _load_weights_case(rank, tmp, name, source, target, wrap):
+    """engine.load_weights of a plain safetensors file (contiguous tensors, as torch saves them) at every stage:
+    the values the engine then holds, per stage, beside the file's."""
+    from safetensors.torch import save_file
+    path = f"{tmp}/{name}_weights.safetensors"
+    weights = {k: v.detach().contiguous().clone() for k, v in source().state_dict().items()}
+    if rank == 0:
+        save_file({k: v for k, v in weights.items() if k != "head.weight"}, path)  # a tie saved once
+    torch.distributed.barrier()
+    out = {"file": weights}
+    for stage in STAGES:
+        engine = zk.shard(target(), torch.optim.AdamW, stage=stage, bucket_numel=BUCKET, wrap=wrap, lr=1e-2)
+        engine.load_weights(path)
+        out[stage] = engine.state_dict(full=True)
+    return out
 
 
 @pytest.fixture(scope="module")
