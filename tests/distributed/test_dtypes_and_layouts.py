@@ -344,7 +344,8 @@ def _layout_cases(rank, world_size, tmp):
                         e.step()
                     got["next"] = [e.state_dict(full=True) for e in (engine, plain, again)]
                 res[(family, optimizer, stage)] = got
-    res["load_weights"] = _load_weights_case(rank, tmp, "channels_last", lambda: conv_model(seed=3, channels_last=False),
+    res["load_weights"] = _load_weights_case(rank, tmp, "channels_last",
+                                             lambda: conv_model(seed=3, channels_last=False),
                                              lambda: conv_model(seed=4), None)
     return res
 

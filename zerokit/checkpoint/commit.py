@@ -174,7 +174,8 @@ def _write_rank_file(engine, directory: str, kinds: dict[str, str], names_of: di
             name = names_of.get(fp.names[piece.index][0], fp.names[piece.index][0])  # the model file's key
             a = lo + piece.shard_offset - base  # where the piece sits in the master tensor
             b = a + piece.numel
-            tensors[piece_key(MASTER, name, piece.start, piece.end)] = master.detach()[a:b].to(master_dtype_of(master.dtype))
+            tensors[piece_key(MASTER, name, piece.start, piece.end)] = (  # fp32, float64 for a float64 model
+                master.detach()[a:b].to(master_dtype_of(master.dtype)))
             for key, kind in kinds.items():
                 value = master_state[key].detach()
                 tensors[piece_key(f"state.{key}", name, piece.start, piece.end)] = (

@@ -250,7 +250,8 @@ class Engine(GradPath, UserGrads):
 
     # -- clipping -----------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the global L2 norm of the (unscaled) averaged gradient; return that norm (fp32).
+        """Clip by the global L2 norm of the (unscaled) averaged gradient; return that norm (fp32; float64 for a
+        float64 model).
 
         Every rank sums squares over *its own range* of each flat gradient (padding is
         zero, a tied parameter is stored once), then one rank-ordered reduction of those
@@ -277,7 +278,8 @@ class Engine(GradPath, UserGrads):
                 c64 = chunk.double()
                 partial += torch.dot(c64, c64)
         total_sq = self.comm.all_reduce_scalars(partial.reshape(1), label="gradient norm partials (clip_grad_norm_)")[0]
-        # fp32 (float64 for a float64 model, as torch's clip_grad_norm_ returns: core/precision.py [Note: float64 models])
+        # fp32; float64 for a float64 model, as torch's clip_grad_norm_ returns (core/precision.py [Note: float64
+        # models])
         return self._set_clip_coef(total_sq.sqrt().to(self.policy.master_dtype), max_norm)
 
     def _set_clip_coef(self, norm: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -33,6 +33,8 @@ would silently round what the user asked to keep in float64: a model mixing floa
 parameters (cast it to one dtype: `model.double()` or `model.float()`), a `reduce_dtype` other than
 float64 for a float64 model, and precision="bf16"/"fp16" on a float64 model (mixed precision keeps fp32
 masters here: `model.float()` first). Packed byte parameters (zerokit/quant.py) take no part in the rule.
+Gradient norms are float64 too; their sum of squares rounds in float64 (an fp32 square is exact there, a
+float64 one is not), so a clipped float64 run is equal to DDP's to float64 rounding, not claimed bitwise.
 
 This module is pure: no process group. The engine computes `has_inf_or_nan` over its local
 gradients, does one all-reduce (MAX) of that flag so every rank agrees, and then calls
@@ -50,8 +52,8 @@ import torch
 
 from zerokit.core.nest import map_tensors
 
-__all__ = ["PRECISIONS", "PrecisionPolicy", "make_policy", "master_dtype_of", "LossScaler", "make_loss_scaler", "has_inf_or_nan",
-           "cast_floating_tensors"]
+__all__ = ["PRECISIONS", "PrecisionPolicy", "make_policy", "master_dtype_of", "LossScaler", "make_loss_scaler",
+           "has_inf_or_nan", "cast_floating_tensors"]
 
 # name -> dtype the params (and by default gradients) live in.
 PRECISIONS: dict[str, torch.dtype] = {
@@ -144,6 +146,7 @@ def make_policy(precision: str | PrecisionPolicy,
     else:
         raise TypeError(f"precision must be a str or PrecisionPolicy, got {type(precision).__name__}")
     if params is not None and _is_float64_model(params, policy.name):
+        # float64 throughout: a reduce dtype set on a policy object is dropped; the argument is checked below
         policy = replace(policy, param_dtype=torch.float64, reduce_dtype=None, master_dtype=None)
     if reduce_dtype is not None:
         policy = replace(policy, reduce_dtype=_as_dtype(reduce_dtype, "reduce_dtype"))
