@@ -188,7 +188,7 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
                          reshard_after_forward=reshard_after_forward, reduction=reduction,
                          broadcast_buffers=broadcast_buffers, param_init_fn=param_init_fn)
     check_optimizer_kwargs(optimizer_cls, optimizer_kwargs, _SHARD_OPTIONS)
-    policy = make_policy(precision, reduce_dtype=reduce_dtype)
+    policy = make_policy(precision, reduce_dtype=reduce_dtype, params=model.named_parameters())  # float64: kept
     if loss_scaler is not None and not policy.uses_loss_scaler:
         raise ValueError(f"loss_scaler= is only used with precision='fp16', got precision={precision!r}")
     scaler = LossScaler(**(loss_scaler or {})) if policy.uses_loss_scaler else None

@@ -18,6 +18,7 @@ from zerokit.launch import run_ranks
 from zerokit.optim.whole_params import is_elementwise
 
 from common import OddBlock, _build_ddp, odd_batch, odd_model, params_of
+from test_dtypes_and_layouts import conv_batch, conv_model
 
 STEPS = 4
 
@@ -141,11 +142,35 @@ def _cases(rank, world_size, directory):
     for name in ("Adafactor", "MuonLike"):  # mixed precision: every stage takes stage 0's bits
         runs = [_zerokit(name, stage, rank, world_size, "bf16")[0] for stage in (0, 1, 2, 3)]
         out[name, "bf16"] = all(torch.equal(run[k], runs[0][k]) for run in runs[1:] for k in runs[0])
+    for name in ("Adafactor", "MuonLike"):  # channels_last conv weights: stepped with the module's strides
+        ref = _conv(name, None, rank, world_size)
+        for stage in (0, 1, 2, 3):
+            got = _conv(name, stage, rank, world_size)
+            out[name, "channels_last", stage] = all(torch.equal(got[k], v) for k, v in ref.items())
     for name in ("Adafactor", "LambLike"):
         for saved, loaded in ((1, 3), (3, 0), (2, 2)):
             out[name, "resume", saved, loaded] = _resumed(name, saved, loaded, rank, world_size,
                                                           f"{directory}/{name}-{saved}-{loaded}")
     return out
+
+
+def _conv(name, stage, rank, world_size):
+    """A channels_last conv net (tests/distributed/test_dtypes_and_layouts.py), 4 steps; stage None: DDP."""
+    cls, kwargs = OPTIMIZERS[name]
+    model = conv_model(0)
+    if stage is None:
+        wrapped, opt = _build_ddp(model), cls(model.parameters(), **kwargs)
+    else:
+        wrapped = opt = zk.shard(model, cls, stage=stage, bucket_numel=100, **kwargs)
+    _train_on(wrapped, opt, lambda step: conv_batch(step, rank, world_size))
+    return params_of(model) if stage is None else wrapped.state_dict(full=True)
+
+
+def _train_on(model, opt, batch):
+    for step in range(STEPS):
+        opt.zero_grad()
+        model(*batch(step)).backward()
+        opt.step()
 
 
 def _resumed(name, saved, loaded, rank, world_size, directory):
@@ -256,3 +281,9 @@ def test_whole_parameter_path_under_hybrid_sharding_equals_ddp_bitwise(tmp_path)
     results = run_ranks(_hybrid_cases, 4, store_dir=str(tmp_path), timeout_s=300)
     for rank, result in enumerate(results):
         assert all(result.values()), (rank, result)
+
+
+@pytest.mark.parametrize("name", ["Adafactor", "MuonLike"])
+def test_whole_parameters_keep_channels_last_and_equal_ddp_bitwise(results, name):
+    for rank, result in enumerate(results):
+        assert all(result[name, "channels_last", stage] for stage in (0, 1, 2, 3)), rank

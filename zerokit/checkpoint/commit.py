@@ -35,6 +35,7 @@ from zerokit.checkpoint.format import (
     SafetensorsWriter, aliases, build_meta, digest_bytes, master_start, meta_bytes, model_index_bytes, model_layout,
     new_snapshot_name, merge_kinds, parse_shard_size, piece_key, pointer, rank_file, state_kinds,
     trainable_with_masters)
+from zerokit.core.precision import master_dtype_of
 
 
 def save(engine, directory: str | os.PathLike, extra: dict | None = None, max_shard_size: int | str | None = None
@@ -175,7 +176,8 @@ def _write_rank_file(engine, directory: str, kinds: dict[str, str], names_of: di
             name = names_of.get(fp.names[piece.index][0], fp.names[piece.index][0])  # the model file's key
             a = lo + piece.shard_offset - base  # where the piece sits in the master tensor
             b = a + piece.numel
-            tensors[piece_key(MASTER, name, piece.start, piece.end)] = master.detach()[a:b].float()
+            tensors[piece_key(MASTER, name, piece.start, piece.end)] = (  # fp32, float64 for a float64 model
+                master.detach()[a:b].to(master_dtype_of(master.dtype)))
             if engine.optimizer.whole is not None:
                 continue  # states by owned parameter, below
             for key, kind in kinds.items():
@@ -190,8 +192,9 @@ def _write_rank_file(engine, directory: str, kinds: dict[str, str], names_of: di
         name = names_of.get(fp.names[own.index][0], fp.names[own.index][0])
         for key, value in engine.optimizer.optimizer.state.get(own.tensor, {}).items():
             kind = kinds[key]
-            tensors[piece_key(f"state.{key}", name, 0, own.numel)] = (
-                value.detach().reshape(-1) if kind == "elementwise" else value.detach())
+            tensors[piece_key(f"state.{key}", name, 0, own.numel)] = (  # elementwise: in the master's order
+                fp.to_storage_order(own.index, value.detach().reshape(-1)) if kind == "elementwise"
+                else value.detach())
     path = os.path.join(directory, rank_file(engine.rank, engine.world_size))
     writer = None
     try:

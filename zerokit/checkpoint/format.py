@@ -350,6 +350,9 @@ def build_meta(engine, kinds: dict[str, str], extra: dict | None, files: dict[st
             params[names_of.get(names[0], names[0])] = {
                 "names": list(names), "shape": list(shape), "dtype": str(fp.dtype).removeprefix("torch."),
                 "requires_grad": fp.requires_grad}
+        for names, stride in zip(fp.names, fp.strides):  # pieces in this storage order: core/flat_param.py
+            if stride is not None:  # [Note: parameters keep their strides]; absent: contiguous
+                params[names_of.get(names[0], names[0])]["stride"] = list(stride)
         for names, p in zip(fp.names, fp.params):  # a quantized weight: how its bytes encode it
             if getattr(p, "zerokit_packed", None):
                 params[names_of.get(names[0], names[0])]["packed"] = str(p.zerokit_packed)

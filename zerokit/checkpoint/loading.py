@@ -27,6 +27,7 @@ another optimizer class is refused.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -242,18 +243,27 @@ def _read_model_file(engine, directory: str, meta: dict, plan: _Plan) -> None:
         for fp in engine.flat_params:
             lo, hi = engine.kept_range(fp)
             # (hi - lo,) padding stays zero; a quantized base's bytes stay bytes (core/flat_param.py)
-            kept = torch.zeros(hi - lo, dtype=torch.float32 if fp.dtype.is_floating_point else fp.dtype)
-            for names, offset, numel, p in zip(fp.names, fp.layout.offsets, fp.layout.numels, fp.params):
+            kept = torch.zeros(hi - lo, dtype=fp.values_dtype)
+            for j, (names, offset, numel, p) in enumerate(zip(fp.names, fp.layout.offsets, fp.layout.numels,
+                                                              fp.params)):
                 param_ids.add(id(p))
                 a, b = max(lo, offset), min(hi, offset + numel)
                 if a < b:
                     key = aliases.get(names[0], names[0])
-                    kept[a - lo:b - lo] = _read_flat_range(f, key, tuple(expected[names[0]].shape), a - offset,
-                                                           b - offset)
+                    kept[a - lo:b - lo] = _read_param_range(f, key, fp, j, a - offset, b - offset)
             plan.flats.append(kept)
         for name, t in expected.items():
             if id(t) not in param_ids and name not in plan.buffers:
                 plan.buffers[name] = f.get_tensor(aliases.get(name, name))
+
+
+def _read_param_range(f, key: str, fp, j: int, a: int, b: int) -> torch.Tensor:
+    """Elements [a, b) of params[j]'s range of flat param `fp`, from the stored tensor `key` (its logical
+    values): `_read_flat_range`, or, for a parameter that keeps its strides (core/flat_param.py [Note:
+    parameters keep their strides]), the whole tensor rearranged into the range's order, then sliced."""
+    if fp.strides[j] is None:
+        return _read_flat_range(f, key, fp.layout.shapes[j], a, b)
+    return fp.to_storage_order(j, f.get_tensor(key).reshape(-1))[a:b]
 
 
 def _read_flat_range(f, key: str, shape: tuple[int, ...], a: int, b: int) -> torch.Tensor:
@@ -320,13 +330,14 @@ def _read_rank_files(engine, directory: str, meta: dict, plan: _Plan) -> set[int
                              "optim/whole_params.py); this engine steps flat shards: load it into an engine whose "
                              "optimizer class is not declared elementwise")
         if whole:
-            plan.owned_states = _read_owned_states(engine, kinds, index, files, paths, aliases, used)
+            plan.owned_states = _read_owned_states(engine, kinds, index, files, paths, aliases, used,
+                                                   meta["params"])
             kinds = {}  # the masters carry no state on this path
         for fp, master in trainable_with_masters(engine):
             base = master_start(fp, master)
             size = master.numel()
-            values = torch.zeros(size, dtype=torch.float32)  # (master numel,) padding stays zero
-            states = {key: torch.zeros(size, dtype=torch.float32) for key, kind in kinds.items()
+            values = torch.zeros(size, dtype=master.dtype)  # (master numel,) padding stays zero; fp32 or float64
+            states = {key: torch.zeros(size, dtype=master.dtype) for key, kind in kinds.items()
                       if kind == "elementwise"}  # (master numel,) each
             scalar_source = None  # (start, end, rank, key) of a master piece this master overlaps
             for i, (offset, numel) in enumerate(zip(fp.layout.offsets, fp.layout.numels)):
@@ -337,10 +348,13 @@ def _read_rank_files(engine, directory: str, meta: dict, plan: _Plan) -> set[int
                 at = lo - base  # ... and where it sits in the master
                 name = aliases.get(fp.names[i][0], fp.names[i][0])
                 pieces = index.get((MASTER, name), [])
-                used |= _fill(values[at:at + b - a], pieces, a, b, files, paths, name, MASTER)
+                saved = meta["params"].get(name, {}).get("stride")  # None: saved contiguous
+                fill = _fill if (tuple(saved) if saved else None) == fp.strides[i] else \
+                    functools.partial(_fill_restrided, fp=fp, j=i, saved=tuple(saved) if saved else None)
+                used |= fill(values[at:at + b - a], pieces, a, b, files, paths, name, MASTER)
                 for key, tensor in states.items():
-                    used |= _fill(tensor[at:at + b - a], index.get((f"state.{key}", name), []), a, b, files, paths,
-                                  name, f"state.{key}")
+                    used |= fill(tensor[at:at + b - a], index.get((f"state.{key}", name), []), a, b, files, paths,
+                                 name, f"state.{key}")
                 if scalar_source is None:
                     scalar_source = next((pc for pc in pieces if pc[0] < b and pc[1] > a), None)
             scalar_source = scalar_source or first_master_piece
@@ -360,7 +374,8 @@ def _read_rank_files(engine, directory: str, meta: dict, plan: _Plan) -> set[int
     return used
 
 
-def _read_owned_states(engine, kinds: dict[str, str], index: dict, files, paths, aliases, used: set[int]) -> list:
+def _read_owned_states(engine, kinds: dict[str, str], index: dict, files, paths, aliases, used: set[int],
+                       meta_params: dict) -> list:
     """The whole-parameter path's states of each parameter this rank owns (optim/whole_params.py): elementwise
     ones assembled from whichever saved pieces cover the parameter (saved by either path), scalar and whole
     ones from any file holding the parameter's."""
@@ -375,16 +390,32 @@ def _read_owned_states(engine, kinds: dict[str, str], index: dict, files, paths,
             pieces = index.get((f"state.{key}", name), [])
             if not pieces:  # a key other parameters have (Adafactor: "variance" for vectors, row/col_var for
                 continue    # matrices), or a parameter not yet stepped
-            if kind == "elementwise":
-                flat = torch.zeros(own.numel, dtype=torch.float32)
+            if kind == "elementwise":  # saved in the saving model's storage order: made logical, then strided
+                flat = torch.zeros(own.numel, dtype=own.tensor.dtype)  # like this parameter again
                 used |= _fill(flat, pieces, 0, own.numel, files, paths, name, f"state.{key}")
-                states[key] = flat.view(shape)
+                saved = meta_params.get(name, {}).get("stride")
+                logical = flat if not saved else flat.as_strided(shape, tuple(saved)).reshape(-1)
+                states[key] = torch.empty_like(own.tensor).copy_(logical.view(shape))
             else:
                 _s, _e, r, piece = pieces[0]
                 used.add(r)
                 states[key] = files[r].get_tensor(piece)
         out.append(states)
     return out
+
+
+def _fill_restrided(out: torch.Tensor, pieces: list, a: int, b: int, files, paths, name: str, kind: str, *, fp, j: int,
+                    saved: tuple[int, ...] | None) -> set[int]:
+    """`_fill` for a parameter saved with other strides than params[j] of `fp` has (a channels_last checkpoint
+    into a contiguous model, or back): the pieces hold its elements in the saving model's storage order, so
+    the whole parameter is read, put in logical order, then in this model's (core/flat_param.py [Note:
+    parameters keep their strides]), and [a, b) of that is kept."""
+    shape, numel = fp.layout.shapes[j], fp.layout.numels[j]
+    whole = torch.empty(numel, dtype=out.dtype)
+    used = _fill(whole, pieces, 0, numel, files, paths, name, kind)
+    logical = whole if saved is None else whole.as_strided(shape, saved).reshape(-1)
+    out.copy_(fp.to_storage_order(j, logical)[a:b])
+    return used
 
 
 def _fill(out: torch.Tensor, pieces: list, a: int, b: int, files, paths, name: str, kind: str) -> set[int]:

@@ -49,7 +49,7 @@ from zerokit.checkpoint.commit import raise_if_any
 from zerokit.checkpoint.format import (
     MODEL_FILE, MODEL_INDEX_FILE, POINTER_FILE, SafetensorsReader, master_start, open_checkpoint,
     trainable_with_masters)
-from zerokit.checkpoint.loading import _read_flat_range
+from zerokit.checkpoint.loading import _read_param_range
 from zerokit.core.flat_param import is_packed
 from zerokit.quant import quantize_range
 
@@ -169,9 +169,9 @@ def _read_ranges(engine, path, strict: bool, where: dict[str, str], adapters: se
     for fp in engine.flat_params:
         lo, hi = engine.kept_range(fp)
         out = _current_range(engine, fp, lo, hi) if any(n[0] in missing for n in fp.names) else \
-            torch.zeros(hi - lo, dtype=torch.float32 if fp.dtype.is_floating_point else fp.dtype)
-        for names, offset, numel, shape, p in zip(fp.names, fp.layout.offsets, fp.layout.numels, fp.layout.shapes,
-                                                  fp.params):
+            torch.zeros(hi - lo, dtype=fp.values_dtype)
+        for j, (names, offset, numel, shape, p) in enumerate(zip(fp.names, fp.layout.offsets, fp.layout.numels,
+                                                                 fp.layout.shapes, fp.params)):
             a, b = max(lo, offset), min(hi, offset + numel)
             if a < b and names[0] in source:
                 key, how = source[names[0]]
@@ -182,7 +182,7 @@ def _read_ranges(engine, path, strict: bool, where: dict[str, str], adapters: se
                 elif how == "bytes":
                     value = f.read_elements(key, a - offset, b - offset)
                 else:
-                    value = _read_flat_range(f, key, tuple(shape), a - offset, b - offset)
+                    value = _read_param_range(f, key, fp, j, a - offset, b - offset)  # in the range's order
                 out[a - lo:b - lo] = value
         kept.append(out)
     buffers = {}
@@ -246,12 +246,12 @@ def _current_range(engine, fp, lo: int, hi: int) -> torch.Tensor:
     """The values flat param `fp` holds now over [lo, hi), fp32: from its master where this rank has one (exact),
     elsewhere from the param storage."""
     if engine.stage == 3:
-        out = engine.param_shards[fp.index].detach().to(torch.float32).clone()
+        out = engine.param_shards[fp.index].detach().to(fp.values_dtype).clone()
     else:
-        out = engine.flat_data[fp.index].detach()[lo:hi].to(torch.float32).clone()
+        out = engine.flat_data[fp.index].detach()[lo:hi].to(fp.values_dtype).clone()
     masters = dict(trainable_with_masters(engine))
     master = masters.get(fp)
     if master is not None:
         at = master_start(fp, master) - lo
-        out[at:at + master.numel()] = master.detach().to(torch.float32)
+        out[at:at + master.numel()] = master.detach().to(out.dtype)
     return out

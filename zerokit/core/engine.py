@@ -100,6 +100,9 @@ class Engine(GradPath, UserGrads):
         # reduction="tree": each trainable bucket's pairwise partial sums of the step's micro-batches.
         self.partials: dict[int, PartialSums] = {}
         if config.reduction == "tree":
+            if policy.param_dtype == torch.float64:  # core/tree.py's exact bins read values as float32
+                raise ValueError("reduction='tree' is not available for a float64 model (its exact norm reads "
+                                 "float32 values): use reduction='linear', or model.float()")
             comm.use_tree()  # the cross-rank sum pairwise too; raises unless N is a power of two
         # fp16 + tree: the gradient's 1/N rides in the loss scale (`backward`), not in the reduction.
         self._divide_in_loss = config.reduction == "tree" and scaler is not None
@@ -247,7 +250,8 @@ class Engine(GradPath, UserGrads):
 
     # -- clipping -----------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the global L2 norm of the (unscaled) averaged gradient; return that norm (fp32).
+        """Clip by the global L2 norm of the (unscaled) averaged gradient; return that norm (fp32; float64 for a
+        float64 model).
 
         Every rank sums squares over *its own range* of each flat gradient (padding is
         zero, a tied parameter is stored once), then one rank-ordered reduction of those
@@ -274,7 +278,9 @@ class Engine(GradPath, UserGrads):
                 c64 = chunk.double()
                 partial += torch.dot(c64, c64)
         total_sq = self.comm.all_reduce_scalars(partial.reshape(1), label="gradient norm partials (clip_grad_norm_)")[0]
-        return self._set_clip_coef(total_sq.sqrt().float(), max_norm)
+        # fp32; float64 for a float64 model, as torch's clip_grad_norm_ returns (core/precision.py [Note: float64
+        # models])
+        return self._set_clip_coef(total_sq.sqrt().to(self.policy.master_dtype), max_norm)
 
     def _set_clip_coef(self, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
         if self.scaler is not None:

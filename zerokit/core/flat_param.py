@@ -24,6 +24,17 @@ it is encoded (format, element count, block size): bytes that encode values, not
 destroy the codes), so every stage keeps, gathers and checkpoints the quantized form: stages 0-2
 replicate it, stage 3 shards and all-gathers its bytes, and `engine.memory()` counts it as
 "quantized_params". The dtype is part of the grouping key, so it never shares a buffer.
+
+[Note: parameters keep their strides]
+A parameter whose strides are not the contiguous ones but are non-overlapping and dense (every element
+of a numel-long block once: a `channels_last` conv weight, a Parameter made from `torch.randn(8, 4).t()`)
+keeps them: its range of the flat buffer holds its elements in its own storage order, and its view (and
+its `.grad` view) is `as_strided` over that range with the user's strides, so the module's kernels see
+the memory format DDP would give them (DDP keeps the parameters as they are), and the same bits come out.
+Elementwise work on the flat buffers (reductions, sharding, the optimizer) does not care about the order
+within a range; whatever maps a range to a parameter's logical elements goes through the views, or through
+`to_storage_order` / `to_logical_order` (a checkpoint holds logical values: zerokit/checkpoint/). Any
+other parameter (overlapping, or a view with gaps) is laid out contiguously, as before.
 """
 from __future__ import annotations
 
@@ -38,6 +49,7 @@ from torch import nn
 from zerokit.core.bucketing import plan_buckets
 from zerokit.core.materialize import deferred_of, is_deferred
 from zerokit.core.partition import FlatLayout
+from zerokit.core.precision import master_dtype_of
 from zerokit.core.user_grads import ShardedGrad
 
 # The engine's own reads and writes of `.grad` skip Python-level dispatch: a stage-3 parameter whose
@@ -69,6 +81,8 @@ class FlatParamLayout:
         self.options = options  # optimizer hyperparameter overrides shared by these params
         self.rank = rank
         self.layout = FlatLayout.build([tuple(p.shape) for p in params], world_size)
+        # params[i]'s strides where they are not the contiguous ones: [Note: parameters keep their strides]
+        self.strides: list[tuple[int, ...] | None] = [dense_strides(p) for p in params]
         self.device = params[0].device
         self._shown_grads: list = [p.grad for p in params]  # what the engine last put in each `.grad`
         self._grad_views: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # (flat grad, its views)
@@ -104,29 +118,64 @@ class FlatParamLayout:
         return torch.zeros(n, dtype=dtype or self.dtype, device=self.device)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter's view into a (padded_numel,) buffer, shaped like the parameter."""
+        """Each parameter's view into a (padded_numel,) buffer, shaped like the parameter, with its strides
+        ([Note: parameters keep their strides])."""
         assert flat.numel() == self.padded_numel, (flat.numel(), self.padded_numel)
-        return [flat[o:o + n].view(shape)
-                for o, n, shape in zip(self.layout.offsets, self.layout.numels, self.layout.shapes)]
+        return [self.param_view(flat, j) for j in range(len(self.params))]
+
+    def param_view(self, flat: torch.Tensor, j: int) -> torch.Tensor:
+        """params[j]'s view into a (padded_numel,) buffer: its shape, and its strides where it keeps them."""
+        o, n, shape, stride = self.layout.offsets[j], self.layout.numels[j], self.layout.shapes[j], self.strides[j]
+        return flat[o:o + n].view(shape) if stride is None else flat[o:o + n].as_strided(shape, stride)
+
+    def write_params(self, flat: torch.Tensor, js, values, add: bool = False) -> None:
+        """Copy (or add) values[k], a tensor of params[js[k]]'s shape in any layout, into that param's range
+        of a (padded_numel,) buffer, in the range's own element order: a `.grad` user code assigned, or
+        autograd's own gradient."""
+        for j, value in zip(js, values):
+            view = self.param_view(flat, j)
+            view.add_(value) if add else view.copy_(value)
+
+    def to_storage_order(self, j: int, logical: torch.Tensor) -> torch.Tensor:
+        """params[j]'s elements given in logical (row-major) order, (numel,), rearranged into the order its
+        range of the flat buffer holds them ([Note: parameters keep their strides]); itself if contiguous."""
+        if self.strides[j] is None:
+            return logical
+        out = torch.empty(logical.numel(), dtype=logical.dtype, device=logical.device)
+        out.as_strided(self.layout.shapes[j], self.strides[j]).copy_(logical.view(self.layout.shapes[j]))
+        return out
+
+    def to_logical_order(self, j: int, stored: torch.Tensor) -> torch.Tensor:
+        """The inverse of `to_storage_order`: params[j]'s (numel,) range in row-major logical order."""
+        if self.strides[j] is None:
+            return stored
+        return stored.contiguous().as_strided(self.layout.shapes[j], self.strides[j]).reshape(-1)
 
     def flatten_params(self, param_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Move the parameters into flat storage; return (flat_param, fp32 values).
+        """Move the parameters into flat storage; return (flat_param, master-dtype values).
 
         flat_param (padded_numel,) in `param_dtype` becomes every parameter's `.data`; the
-        (padded_numel,) fp32 copy holds the exact original values, which fp32 master shards
-        are seeded from (not from their bf16/fp16 roundings). Under fp32 both are one tensor.
+        (padded_numel,) master-dtype copy (fp32; float64 for a float64 model: core/precision.py
+        [Note: float64 models]) holds the exact original values, which the master shards are
+        seeded from (not from their bf16/fp16 roundings). Under fp32 (and float64) both are one tensor.
         """
         if is_packed(self.params[0]):  # bytes stay bytes: [Note: packed byte parameters]
             flat = self.new_flat()
             self.copy_params_into(flat)
             self.use_as_param_storage(flat)
             return flat, flat
-        fp32 = self.new_flat(torch.float32)
-        self.copy_params_into(fp32)
-        flat_param = fp32 if param_dtype == torch.float32 else fp32.to(param_dtype)
+        master = self.new_flat(master_dtype_of(param_dtype))
+        self.copy_params_into(master)
+        flat_param = master if param_dtype == master.dtype else master.to(param_dtype)
         self.dtype = param_dtype
         self.use_as_param_storage(flat_param)
-        return flat_param, fp32
+        return flat_param, master
+
+    @property
+    def values_dtype(self) -> torch.dtype:
+        """The dtype this flat param's exact values are read and loaded in: its master dtype (fp32; float64 for
+        a float64 model: core/precision.py [Note: float64 models]); a packed byte parameter's own (uint8)."""
+        return master_dtype_of(self.dtype) if self.dtype.is_floating_point else self.dtype
 
     def copy_params_into(self, flat: torch.Tensor) -> None:
         """Write the parameters' current values into `flat` (padding stays zero).
@@ -313,6 +362,21 @@ def _name_groups(parts: list[list[str]]) -> list[str]:
         return [".".join(common) + ".*"]  # one module's parameters
     # no common module, or entries of one module list: one group each (each shares at least its key)
     return [shown for members in groups.values() for shown in _name_groups(members)]
+
+
+def dense_strides(p: torch.Tensor) -> tuple[int, ...] | None:
+    """p's strides when they are not the contiguous ones but non-overlapping and dense (a permutation of a
+    contiguous layout, size-1 dimensions' strides kept as they are), else None: [Note: parameters keep
+    their strides]. A packed byte parameter is always laid out contiguously."""
+    shape, stride = tuple(p.shape), tuple(p.stride())
+    if p.numel() < 2 or is_packed(p) or p.is_contiguous():
+        return None
+    expected = 1
+    for st, size in sorted((st, size) for size, st in zip(shape, stride) if size != 1):
+        if st != expected:
+            return None
+        expected *= size
+    return stride
 
 
 def is_packed(p: torch.Tensor) -> bool:

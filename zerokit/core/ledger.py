@@ -198,12 +198,16 @@ def ledger(engine: Any, activation_bytes: int | None = None, predicted_activatio
                  "block_size": specs[0].block_size, "double_quant": specs[0].double_quant}
     precision = engine.policy.name
     from zerokit.core.precision import PRECISIONS as DTYPES  # imports torch: only when a ledger is taken
-    reduce_precision = next(name for name, dtype in DTYPES.items() if dtype == engine.policy.reduce_dtype)
     kind = optimizer_kind(engine.optimizer.optimizer)
-    est = estimate(num_params, engine.world_size, engine.stage, precision, kind, trainable_params=trainable,
-                   reduce_precision=reduce_precision, **quant)
-    predicted: dict[str, int | None] = {c: getattr(est, c) for c in MODEL_STATE_CATEGORIES}
-    if specs:
+    if engine.policy.param_dtype not in DTYPES.values():  # a float64 model: estimate() counts 4-byte params,
+        predicted: dict[str, int | None] = {c: None for c in MODEL_STATE_CATEGORIES}  # no formula for it
+        precision = "fp64"
+    else:
+        reduce_precision = next(name for name, dtype in DTYPES.items() if dtype == engine.policy.reduce_dtype)
+        est = estimate(num_params, engine.world_size, engine.stage, precision, kind, trainable_params=trainable,
+                       reduce_precision=reduce_precision, **quant)
+        predicted = {c: getattr(est, c) for c in MODEL_STATE_CATEGORIES}
+    if specs and engine.policy.param_dtype in DTYPES.values():
         predicted["quantized_params"] = est.quantized_params
     predicted["comm_buffers"] = None
     predicted["activations"] = predicted_activations

@@ -21,6 +21,21 @@ The recipe CS224N lecture 12 teaches (Micikevicius et al. 2018) in zerokit's voc
    the module computes: param-dtype activations (bf16 logits, a bf16 loss) — nothing is cast
    back. `zk.shard(..., cast_inputs=False)` turns the cast off.
 
+6. A float64 model (`model.double()`) trains in float64: [Note: float64 models].
+
+[Note: float64 models]
+Under precision="fp32" the dtype a model's parameters come in is kept when it is float64: `make_policy`
+sees the parameters and builds a policy whose param, reduce and master dtypes are all float64, so the
+flat buffers, gradients, reductions and optimizer states are float64, as under torch DDP with the same
+optimizer on the same model (bitwise: tests/distributed/test_dtypes_and_layouts.py). Parameters below
+fp32 (bf16, fp16) under "fp32" are upcast to fp32, as before. Refused, each naming the fix, because each
+would silently round what the user asked to keep in float64: a model mixing float64 and other floating
+parameters (cast it to one dtype: `model.double()` or `model.float()`), a `reduce_dtype` other than
+float64 for a float64 model, and precision="bf16"/"fp16" on a float64 model (mixed precision keeps fp32
+masters here: `model.float()` first). Packed byte parameters (zerokit/quant.py) take no part in the rule.
+Gradient norms are float64 too; their sum of squares rounds in float64 (an fp32 square is exact there, a
+float64 one is not), so a clipped float64 run is equal to DDP's to float64 rounding, not claimed bitwise.
+
 This module is pure: no process group. The engine computes `has_inf_or_nan` over its local
 gradients, does one all-reduce (MAX) of that flag so every rank agrees, and then calls
 `LossScaler.update(found_overflow)` with the same value on every rank, which keeps the scale
@@ -37,8 +52,8 @@ import torch
 
 from zerokit.core.nest import map_tensors
 
-__all__ = ["PRECISIONS", "PrecisionPolicy", "make_policy", "LossScaler", "make_loss_scaler", "has_inf_or_nan",
-           "cast_floating_tensors"]
+__all__ = ["PRECISIONS", "PrecisionPolicy", "make_policy", "master_dtype_of", "LossScaler", "make_loss_scaler",
+           "has_inf_or_nan", "cast_floating_tensors"]
 
 # name -> dtype the params (and by default gradients) live in.
 PRECISIONS: dict[str, torch.dtype] = {
@@ -59,7 +74,7 @@ class PrecisionPolicy:
     name: str
     param_dtype: torch.dtype | None = None  # None -> PRECISIONS[name]
     reduce_dtype: torch.dtype | None = None  # None -> param_dtype
-    master_dtype: torch.dtype = torch.float32
+    master_dtype: torch.dtype | None = None  # None -> fp32 (float64 for a float64 model)
 
     def __post_init__(self) -> None:
         if self.name not in PRECISIONS:
@@ -67,23 +82,31 @@ class PrecisionPolicy:
         expected = PRECISIONS[self.name]
         if self.param_dtype is None:
             object.__setattr__(self, "param_dtype", expected)
-        elif self.param_dtype != expected:
+        elif self.param_dtype != expected and not (self.name == "fp32" and self.param_dtype == torch.float64):
             raise ValueError(
                 f"PrecisionPolicy(name={self.name!r}) needs param_dtype={expected}, got {self.param_dtype}")
+        fp64 = self.param_dtype == torch.float64  # [Note: float64 models]: float64 throughout
         if self.reduce_dtype is None:
             object.__setattr__(self, "reduce_dtype", self.param_dtype)
-        elif self.reduce_dtype not in _DTYPE_NAMES:
+        elif fp64 and self.reduce_dtype != torch.float64:
+            raise ValueError(f"reduce_dtype={self.reduce_dtype} would round the float64 model's gradients before "
+                             "they are summed; drop reduce_dtype= (a float64 model reduces in float64)")
+        elif self.reduce_dtype not in _DTYPE_NAMES and not fp64:
             raise ValueError(
                 f"reduce_dtype={self.reduce_dtype} is not one of {[str(d) for d in _DTYPE_NAMES]}")
-        if self.master_dtype != torch.float32:
+        master = torch.float64 if fp64 else torch.float32
+        if self.master_dtype is None:
+            object.__setattr__(self, "master_dtype", master)
+        elif self.master_dtype != master:
             # The memory formulas (12 bytes/param of master + Adam states) and the update
-            # precision argument both assume fp32 masters.
-            raise ValueError(f"master_dtype must be torch.float32, got {self.master_dtype}")
+            # precision argument both assume fp32 masters (float64 ones for a float64 model).
+            raise ValueError(f"master_dtype must be {master} with param_dtype={self.param_dtype}, "
+                             f"got {self.master_dtype}")
 
     @property
     def needs_master(self) -> bool:
-        """True when params are low precision, so the optimizer updates an fp32 master copy."""
-        return self.param_dtype != torch.float32
+        """True when params are low precision, so the optimizer updates a separate fp32 master copy."""
+        return self.param_dtype != self.master_dtype
 
     @property
     def uses_loss_scaler(self) -> bool:
@@ -99,9 +122,17 @@ def _as_dtype(value: torch.dtype | str, what: str) -> torch.dtype:
     raise ValueError(f"{what}={value!r} is not a torch.dtype or one of {sorted(PRECISIONS)}")
 
 
+def master_dtype_of(param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the optimizer updates for params in `param_dtype`: fp32, float64 for float64 params."""
+    return torch.float64 if param_dtype == torch.float64 else torch.float32
+
+
 def make_policy(precision: str | PrecisionPolicy,
-                reduce_dtype: torch.dtype | str | None = None) -> PrecisionPolicy:
+                reduce_dtype: torch.dtype | str | None = None, params=None) -> PrecisionPolicy:
     """Policy for "fp32" | "bf16" | "fp16" (or an existing policy), optionally overriding reduce_dtype.
+
+    `params`: the model's named parameters ((name, tensor) pairs, e.g. `model.named_parameters()`); a
+    float64 model gets a float64 policy under "fp32", or is refused naming the fix ([Note: float64 models]).
 
     >>> make_policy("bf16", reduce_dtype="fp32").reduce_dtype
     torch.float32
@@ -114,9 +145,33 @@ def make_policy(precision: str | PrecisionPolicy,
         policy = PrecisionPolicy(precision)
     else:
         raise TypeError(f"precision must be a str or PrecisionPolicy, got {type(precision).__name__}")
+    if params is not None and _is_float64_model(params, policy.name):
+        # float64 throughout: a reduce dtype set on a policy object is dropped; the argument is checked below
+        policy = replace(policy, param_dtype=torch.float64, reduce_dtype=None, master_dtype=None)
     if reduce_dtype is not None:
         policy = replace(policy, reduce_dtype=_as_dtype(reduce_dtype, "reduce_dtype"))
     return policy
+
+
+def _is_float64_model(params, name: str) -> bool:
+    """True when every floating parameter is float64 (and there is one); refuse what [Note: float64 models]
+    refuses. Non-floating parameters (packed bytes) are left out."""
+    first: dict[torch.dtype, str] = {}
+    for pname, p in params:
+        if p.is_floating_point():
+            first.setdefault(p.dtype, pname)
+    if torch.float64 not in first:
+        return False
+    if len(first) > 1:
+        other = next(d for d in first if d != torch.float64)
+        raise ValueError(f"the model mixes float64 parameters ({first[torch.float64]!r}) with {other} ones "
+                         f"({first[other]!r}): zerokit trains one floating dtype per model; cast it first, "
+                         "model.double() to train in float64 or model.float() for float32")
+    if name != "fp32":
+        raise ValueError(f"precision={name!r} on a float64 model ({first[torch.float64]!r} is float64): mixed "
+                         "precision keeps fp32 master weights, so cast the model first (model.float()), or keep "
+                         "float64 throughout with precision='fp32'")
+    return True
 
 
 class LossScaler:

@@ -458,9 +458,8 @@ def packed_grads(fp: FlatParamLayout) -> torch.Tensor:
     """The params' own gradients added into a zeroed (padded_numel,) full gradient; `.grad` becomes its views
     and autograd's tensors go (stages/zero3.py [Note: gradients packed when complete])."""
     grad = fp.new_flat()  # (padded_numel,) zeros; a param no gradient reached keeps its zeros
-    for p, view in zip(fp.params, fp.grad_views_of(grad, range(len(fp.params)))):
-        if p.grad is not None:
-            view.add_(p.grad.reshape(-1))  # 0 + g: autograd's accumulation into a zeroed view
+    js = [j for j, p in enumerate(fp.params) if p.grad is not None]
+    fp.write_params(grad, js, [fp.params[j].grad for j in js], add=True)  # 0 + g: autograd's accumulation
     fp.use_as_grad_storage(grad)
     return grad
 

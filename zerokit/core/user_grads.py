@@ -48,6 +48,8 @@ from typing import Callable
 
 import torch
 
+from zerokit.core.precision import master_dtype_of
+
 __all__ = ["ShardedGrad", "PartialNorm", "UserGrads"]
 
 # Flags about a tensor's kind, no values: what torch.compile's dynamo asks of every tensor it meets, the
@@ -176,7 +178,9 @@ class PartialNorm(torch.Tensor):
             first = args[0]
             if ord == first.ord and not kwargs.get("dim") and not kwargs.get("keepdim"):
                 total = first.sums.max() if ord == float("inf") else first.sums.sum()
-                return _finish(_reduce(first.comm, total.reshape(1), ord)[0], ord, first.scale(), torch.float32)
+                # fp32, or float64 for float64 gradients (torch returns the gradients' dtype): core/precision.py
+                return _finish(_reduce(first.comm, total.reshape(1), ord)[0], ord, first.scale(),
+                               master_dtype_of(first.dtype))
         # Anything else: reduce every partial norm involved, then run the op on plain tensors.
         args, kwargs = _materialize(args), {k: _materialize(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
@@ -324,8 +328,7 @@ class UserGrads:
             state.flat_grad = fp.new_flat()  # (padded_numel,) zeros
         else:
             fp.zero_grad_parts(state.flat_grad, cleared + replaced)
-        for j, view in zip(replaced, fp.grad_views_of(state.flat_grad, replaced)):
-            view.copy_(fp.params[j].grad.reshape(-1))
+        fp.write_params(state.flat_grad, replaced, [fp.params[j].grad for j in replaced])
         fp.use_as_grad_storage(state.flat_grad)  # plain views: autograd accumulates into the full gradient
 
     def restart_grad_shard(self, state, js: list[int]) -> None:

@@ -80,6 +80,12 @@ def is_elementwise(optimizer_cls: type) -> bool:
     return any(issubclass(optimizer_cls, base) and optimizer_cls.step is base.step for base in ELEMENTWISE)
 
 
+def _shaped(flat: torch.Tensor, shape, stride) -> torch.Tensor:
+    """A parameter's (numel,) range as the module sees it: its shape, and its strides where it keeps them
+    (core/flat_param.py [Note: parameters keep their strides])."""
+    return flat.view(shape) if stride is None else flat.as_strided(shape, stride)
+
+
 @dataclass(eq=False)
 class Owned:
     """A parameter this rank steps: `tensor` is what the wrapped optimizer holds, in the module's shape."""
@@ -128,11 +134,13 @@ class WholeParams:
                     straddlers.append(Straddler(j, o, n, owner))
                 if owner != comm.rank:
                     continue
+                stride = fp.strides[j]  # the module's strides (channels_last...), or None: contiguous
                 if crosses:
-                    tensor = torch.empty(shape, dtype=master.dtype, device=master.device)
+                    tensor = (torch.empty(shape, dtype=master.dtype, device=master.device) if stride is None else
+                              torch.empty_strided(shape, stride, dtype=master.dtype, device=master.device))
                     free_storage(tensor)
                 else:
-                    tensor = master[o - lo:o - lo + n].view(shape)
+                    tensor = _shaped(master[o - lo:o - lo + n], shape, stride)
                 owned.append(Owned(k, j, o, n, tensor, not crosses))
             self.owned.append(owned)
             self.straddlers.append(straddlers)
@@ -160,15 +168,17 @@ class WholeParams:
                                      phase="step")
                 self.comm.all_gather(full_m, master.detach(), label=f"{fp.label}: masters for whole-parameter "
                                      "steps", phase="step")
+            strides = self.layouts[k].strides
             for own in self.owned[k]:
                 a, b = own.offset, own.offset + own.numel
+                shape, stride = own.tensor.shape, strides[own.index]
                 if own.local:
-                    own.tensor.grad = grad[a - lo:b - lo].view(own.tensor.shape)
+                    own.tensor.grad = _shaped(grad[a - lo:b - lo], shape, stride)
                 else:
                     own.tensor.untyped_storage().resize_(own.numel * own.tensor.element_size())
                     with torch.no_grad():
-                        own.tensor.copy_(full_m[a:b].view(own.tensor.shape))
-                    own.tensor.grad = full_g[a:b].view(own.tensor.shape)
+                        own.tensor.copy_(_shaped(full_m[a:b], shape, stride))
+                    own.tensor.grad = _shaped(full_g[a:b], shape, stride)
             held.append(full_m)
             del full_g
         return held
@@ -184,7 +194,8 @@ class WholeParams:
             for s in self.straddlers[k]:
                 value = full_m[s.offset:s.offset + s.numel]
                 if s.owner == self.comm.rank:
-                    value.copy_(mine[s.index].tensor.detach().reshape(-1))
+                    tensor = mine[s.index].tensor.detach()
+                    _shaped(value, tensor.shape, fp.strides[s.index]).copy_(tensor)
                 # the shard group's broadcast, also under hybrid sharding (whose own broadcast spans the world)
                 Comm.broadcast(self.comm, value, src=s.owner, phase="step",
                                label=f"{fp.label}: parameter {s.index} stepped whole by rank {s.owner}")

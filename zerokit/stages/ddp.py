@@ -122,8 +122,7 @@ class DDPEngine(Checkpointing, Engine):
     def adopt_assigned_grads(self, fp: FlatParamLayout, replaced: list[int]) -> None:
         """A tensor assigned to `.grad` after backward is what a torch optimizer would read: so do we."""
         grad = self.averaged_grad(fp)
-        for j, view in zip(replaced, fp.grad_views_of(grad, replaced)):
-            view.copy_(fp.params[j].grad.reshape(-1))
+        fp.write_params(grad, replaced, [fp.params[j].grad for j in replaced])
         if grad is self.states[fp.index].flat_grad:
             fp.use_as_grad_storage(grad)
         else:
