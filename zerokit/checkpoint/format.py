@@ -304,6 +304,61 @@ def json_number(value):
     return None
 
 
+# [Note: hyperparameter types]
+# torch takes hyperparameters of several types: `lr=torch.tensor(1e-2)` (a 0-dim tensor, for capturable
+# or compiled steps), betas as a tuple of tensors, bool flags (maximize, capturable, differentiable,
+# amsgrad), None-or-bool (foreach, fused). A float written back where a tensor lr was changes the step's
+# arithmetic (a tensor lr multiplies in its dtype), and a flag left to
+# the loading engine (maximize) can reverse it. So meta.json records each group entry with its type
+# (`encode_hyperparameter`) and a load restores that type (`decode_hyperparameter`); a value JSON cannot
+# hold is recorded as unstorable and refused at load, naming it, rather than dropped. Checkpoints written
+# before this stored plain numbers and lists only; they decode as before.
+UNSTORABLE = "unstorable"  # meta.json's key for a hyperparameter whose value JSON cannot hold
+
+
+def encode_hyperparameter(value):
+    """A param group's hyperparameter as meta.json holds it, its type kept ([Note: hyperparameter types]):
+    None, bools, ints, floats and strings as themselves; a tensor as {"value": value.tolist(), "tensor":
+    dtype name}; a tuple or list as a list of these; anything else as {"unstorable": its type's name}."""
+    if torch.is_tensor(value):
+        if value.requires_grad or value.is_sparse or value.numel() > 64:
+            return {UNSTORABLE: f"tensor (requires_grad={value.requires_grad}, shape {tuple(value.shape)})"}
+        return {"value": value.detach().cpu().tolist(), "tensor": str(value.dtype).removeprefix("torch.")}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        items = [encode_hyperparameter(v) for v in value]
+        if all(not isinstance(i, (list, dict)) or "tensor" in i for i in items):
+            return items
+    return {UNSTORABLE: type(value).__name__}
+
+
+def decode_hyperparameter(saved, current):
+    """The value `encode_hyperparameter` recorded, of its saved type: a tensor back in its dtype (on the device
+    of the group's `current` value when that is a tensor, else the CPU, where torch keeps a tensor lr); a list
+    as a tuple unless `current` is a list (torch's betas are tuples). Older checkpoints, which stored plain
+    numbers and lists of numbers only, decode as they always did."""
+    if isinstance(saved, dict):
+        device = current.device if torch.is_tensor(current) else "cpu"
+        return torch.tensor(saved["value"], dtype=getattr(torch, saved["tensor"]), device=device)
+    if isinstance(saved, list):
+        like = current if isinstance(current, (tuple, list)) and len(current) == len(saved) else [None] * len(saved)
+        items = [decode_hyperparameter(s, c) for s, c in zip(saved, like)]
+        return items if isinstance(current, list) else tuple(items)
+    return saved
+
+
+def show_hyperparameter(encoded) -> str:
+    """An encoded hyperparameter for a message: numbers as numbers, a tensor as tensor(value, dtype)."""
+    if isinstance(encoded, dict):
+        if UNSTORABLE in encoded:
+            return f"<{encoded[UNSTORABLE]}, not stored>"
+        return f"tensor({encoded['value']}, dtype={encoded['tensor']})"
+    if isinstance(encoded, list) and any(isinstance(v, dict) for v in encoded):
+        return "(" + ", ".join(show_hyperparameter(v) for v in encoded) + ")"
+    return repr(encoded) if isinstance(encoded, str) else str(encoded)
+
+
 def build_meta(engine, kinds: dict[str, str], extra: dict | None, files: dict[str, dict]) -> dict:
     """meta.json's content for `engine`, given every file's record."""
     optimizer = engine.optimizer
@@ -313,8 +368,8 @@ def build_meta(engine, kinds: dict[str, str], extra: dict | None, files: dict[st
     for group in optimizer.param_groups:
         fps = [fp_of_master[id(m)] for m in group["params"] if id(m) in fp_of_master]
         names = [names_of.get(names[0], names[0]) for fp in fps for names in fp.names]
-        hyper = {k: json_number(v) for k, v in group.items() if k != "params"}
-        groups.append({"params": names, "hyperparameters": {k: v for k, v in hyper.items() if v is not None}})
+        hyper = {k: encode_hyperparameter(v) for k, v in group.items() if k != "params"}
+        groups.append({"params": names, "hyperparameters": hyper})
     step = None
     for _fp, master in trainable_with_masters(engine):
         value = optimizer.state_of(master).get("step")
