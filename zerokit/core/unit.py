@@ -459,7 +459,11 @@ def packed_grads(fp: FlatParamLayout) -> torch.Tensor:
     and autograd's tensors go (stages/zero3.py [Note: gradients packed when complete])."""
     grad = fp.new_flat()  # (padded_numel,) zeros; a param no gradient reached keeps its zeros
     for p, view in zip(fp.params, fp.grad_views_of(grad, range(len(fp.params)))):
-        if p.grad is not None:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:  # nn.Embedding(sparse=True): densified by the same add autograd does into the
+            view.view(p.shape).add_(p.grad)  # zeroed .grad views of stages 0-2 (no reshape of a sparse tensor)
+        else:
             view.add_(p.grad.reshape(-1))  # 0 + g: autograd's accumulation into a zeroed view
     fp.use_as_grad_storage(grad)
     return grad
