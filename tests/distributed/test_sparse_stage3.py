@@ -8,7 +8,8 @@ of its own: each equals torch DDP's parameters bit for bit. With no_sync accumul
 stage 3 equals stage 0 bit for bit, and both are within NO_SYNC_ATOL of DDP: DDP keeps the accumulated
 gradient sparse (both micro-batches' rows, uncoalesced) and sums every rank's rows in one coalesce after its
 sparse all-reduce, zerokit sums each rank's rows densely first and then across ranks, another association of
-the same fp32 sum (last bits).
+the same fp32 sum (last bits). The optimizer sees the dense gradient: torch's SparseAdam refuses it with its
+own error, which names Adam.
 """
 from __future__ import annotations
 
@@ -99,6 +100,14 @@ def _ranks(rank, world_size):
         out[name] = {"differ": [k for k in ref if not torch.equal(got[k], ref[k])],
                      "max diff vs ddp": max((got[k] - refs[accumulate][k]).abs().max().item() for k in ref),
                      "moved": not torch.equal(got["emb.weight"], sparse_net().emb.weight.detach())}
+    for stage in (0, 3):  # the optimizer sees a dense gradient: torch's SparseAdam says so, naming Adam
+        engine = zk.shard(sparse_net(), torch.optim.SparseAdam, stage=stage, wrap=(OddBlock,), lr=1e-2)
+        engine(*odd_batch(0, BATCH, rank, world_size)).backward()
+        try:
+            engine.step()
+            out["SparseAdam", stage] = "stepped"
+        except RuntimeError as exc:
+            out["SparseAdam", stage] = str(exc)
     return out
 
 
@@ -114,3 +123,10 @@ def test_sparse_embedding_trains_like_torch_ddp_at_every_stage(runs, case):
         assert result["moved"], (rank, case)
         assert result["differ"] == [], (rank, case, result)  # DDP's, or (no_sync) stage 0's, bit for bit
         assert result["max diff vs ddp"] <= (0 if "no_sync" not in case else NO_SYNC_ATOL), (rank, case, result)
+
+
+def test_sparse_adam_raises_torchs_own_error_naming_adam(runs):
+    for out in runs:
+        for stage in (0, 3):
+            assert "SparseAdam does not support dense gradients" in out["SparseAdam", stage], out["SparseAdam", stage]
+            assert "Adam instead" in out["SparseAdam", stage]

@@ -323,7 +323,8 @@ def encode_hyperparameter(value):
     if torch.is_tensor(value):
         if value.requires_grad or value.is_sparse or value.numel() > 64:
             return {UNSTORABLE: f"tensor (requires_grad={value.requires_grad}, shape {tuple(value.shape)})"}
-        return {"value": value.detach().cpu().tolist(), "tensor": str(value.dtype).removeprefix("torch.")}
+        out = {"value": value.detach().cpu().tolist(), "tensor": str(value.dtype).removeprefix("torch.")}
+        return out if value.device.type == "cpu" else {**out, "device": value.device.type}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (tuple, list)):
@@ -333,17 +334,19 @@ def encode_hyperparameter(value):
     return {UNSTORABLE: type(value).__name__}
 
 
-def decode_hyperparameter(saved, current):
-    """The value `encode_hyperparameter` recorded, of its saved type: a tensor back in its dtype (on the device
-    of the group's `current` value when that is a tensor, else the CPU, where torch keeps a tensor lr); a list
-    as a tuple unless `current` is a list (torch's betas are tuples). Older checkpoints, which stored plain
-    numbers and lists of numbers only, decode as they always did."""
+def decode_hyperparameter(saved, current, device: torch.device | None = None):
+    """The value `encode_hyperparameter` recorded, of its saved type: a tensor back in its dtype, on the device
+    of the group's `current` value when that is a tensor, else on the CPU where it was saved there (torch keeps
+    a plain tensor lr on the CPU) and on `device` (the group's parameters') where it was on an accelerator
+    (capturable / fused steps); a list as a tuple unless `current` is a list (torch's betas are tuples). Older
+    checkpoints, which stored plain numbers and lists of numbers only, decode as they always did."""
     if isinstance(saved, dict):
-        device = current.device if torch.is_tensor(current) else "cpu"
-        return torch.tensor(saved["value"], dtype=getattr(torch, saved["tensor"]), device=device)
+        where = (current.device if torch.is_tensor(current)
+                 else device if saved.get("device", "cpu") != "cpu" and device is not None else "cpu")
+        return torch.tensor(saved["value"], dtype=getattr(torch, saved["tensor"]), device=where)
     if isinstance(saved, list):
         like = current if isinstance(current, (tuple, list)) and len(current) == len(saved) else [None] * len(saved)
-        items = [decode_hyperparameter(s, c) for s, c in zip(saved, like)]
+        items = [decode_hyperparameter(s, c, device) for s, c in zip(saved, like)]
         return items if isinstance(current, list) else tuple(items)
     return saved
 

@@ -411,7 +411,8 @@ def _match_hyperparameters(engine, meta: dict, meta_path: str) -> tuple[list[dic
                 others = len(names) - 1
                 changes.append(f"{key} {show_hyperparameter(mine)} -> {show_hyperparameter(value)} for {names[0]!r}"
                                + (f" and {others} other parameter{'s' if others > 1 else ''}" if others else ""))
-        out.append({key: decode_hyperparameter(value, group[key]) for key, value in hyper.items()})
+        device = group["params"][0].device if group["params"] else None
+        out.append({key: decode_hyperparameter(value, group[key], device) for key, value in hyper.items()})
     return out, changes
 
 
