@@ -86,6 +86,38 @@ def test_json_number_keeps_numbers_and_tuples_of_numbers_only(value, expected):
     assert json_number(value) == expected
 
 
+@pytest.mark.parametrize("value", [
+    0.1, 3, True, False, None, "adam", (0.9, 0.999), torch.tensor(1e-2), torch.tensor(1e-2, dtype=torch.float64),
+    torch.tensor(5, dtype=torch.int64), (torch.tensor(0.9), torch.tensor(0.99)), (torch.tensor(0.9), 0.99), [0.9, 0.999],
+])
+def test_a_hyperparameter_comes_back_from_meta_json_of_its_type(value):
+    """[Note: hyperparameter types]: through JSON text and back, the same type (a tensor of its dtype, a tuple
+    a tuple) and value; what JSON cannot hold is marked unstorable, not dropped."""
+    import json
+    from zerokit.checkpoint.format import UNSTORABLE, decode_hyperparameter, encode_hyperparameter
+    back = decode_hyperparameter(json.loads(json.dumps(encode_hyperparameter(value))), value)
+
+    def same(a, b):
+        if type(a) is not type(b):
+            return False
+        if torch.is_tensor(a):
+            return a.dtype == b.dtype and torch.equal(a, b)
+        if isinstance(a, (tuple, list)):
+            return all(same(x, y) for x, y in zip(a, b))
+        return a == b
+    assert same(back, value), (back, value)
+    assert UNSTORABLE in encode_hyperparameter(object())
+    assert UNSTORABLE in encode_hyperparameter(torch.tensor(1.0, requires_grad=True))
+
+
+def test_old_checkpoints_plain_hyperparameters_decode_as_before():
+    """Checkpoints from before the types were recorded hold numbers and lists: a list becomes the group's tuple,
+    a number stays the number (the only form they could hold)."""
+    from zerokit.checkpoint.format import decode_hyperparameter
+    assert decode_hyperparameter([0.9, 0.999], (0.5, 0.5)) == (0.9, 0.999)
+    assert type(decode_hyperparameter(0.01, 0.5)) is float and decode_hyperparameter(3, 1) == 3
+
+
 # ---------------------------------------------------------------------- digests
 def test_digest_is_the_plain_sha256_of_the_file_across_the_read_chunk(tmp_path):
     """The record equals hashlib's sha256 of the bytes (what `sha256sum` prints), also past one read chunk."""

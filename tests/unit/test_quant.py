@@ -245,3 +245,56 @@ def test_memory_and_plan_commands_take_the_quantized_branch(capsys):
     assert "decision: qlora" in out and "LoRA over an NF4 base (QLoRA) + ZeRO-3 + activation checkpointing" in out
     with pytest.raises(SystemExit, match="add --lora"):
         main(["memory", "--params", "7e9", "--world-size", "2", "--quantize", "nf4"])
+
+
+def independent_nf4_decode(packed: bytes, shape: tuple[int, int], block: int = 64, block2: int = 256) -> torch.Tensor:
+    """W_q from the packed bytes by the layout docs/quantization.md documents, written from scratch: codes
+    (two per byte, first element high) | one int8 absmax code per block | one fp32 scale per `block2`
+    absmax codes | one fp32 mean; absmax_q = c8 * (scale2 / 127) + mean, W_q = PUBLISHED_NF4[code] * absmax_q."""
+    import struct
+    n = shape[0] * shape[1]
+    nblocks = n // block
+    nblocks2 = -(-nblocks // block2)
+    at = n // 2
+    codes = [c for byte in packed[:at] for c in (byte >> 4, byte & 15)]
+    c8 = struct.unpack(f"{nblocks}b", packed[at:at + nblocks])
+    at += nblocks
+    scale2 = struct.unpack(f"<{nblocks2}f", packed[at:at + 4 * nblocks2])
+    (mean,) = struct.unpack("<f", packed[at + 4 * nblocks2:at + 4 * nblocks2 + 4])
+    assert len(packed) == at + 4 * nblocks2 + 4
+    f32 = torch.float32
+    per_block = torch.tensor(scale2, dtype=f32) / 127  # the second-level scale of each of the nblocks2 blocks
+    absmax = torch.tensor(c8, dtype=f32) * per_block[torch.arange(nblocks) // block2] + torch.tensor(mean, dtype=f32)
+    levels = torch.tensor(PUBLISHED_NF4, dtype=f32)[torch.tensor(codes)]
+    return (levels.reshape(nblocks, block) * absmax[:, None]).reshape(shape)
+
+
+def test_double_quant_over_several_second_level_blocks_against_an_independent_decoder():
+    """More than one 256-block of absmax constants (576 blocks of 64: three second-level blocks), rows scaled
+    from 0.05 to 20 so each second-level block has its own range: the bytes decode, by the test's own
+    reader of the documented layout, to what a quantized nn.Linear computes with, and each block's stored
+    absmax is within half an 8-bit step of its second-level block's own range of the true absmax."""
+    torch.manual_seed(3)
+    lin = nn.Linear(384, 96)
+    with torch.no_grad():
+        lin.weight.mul_(torch.logspace(-1.3, 1.3, 96)[:, None])
+    w = lin.weight.detach().clone()
+    model = nn.Sequential(lin)
+    model.requires_grad_(False)
+    zk.quantize(model, "nf4")
+    layer = model[0]
+    spec = layer.spec
+    assert spec.double_quant and spec.nblocks == 576 and spec.nblocks2 == 3
+    packed = bytes(layer.weight_quant.detach().tolist())
+    wq = independent_nf4_decode(packed, (96, 384))
+    x = torch.randn(5, 384)
+    assert torch.equal(layer(x), F.linear(x, wq, layer.bias))
+    assert torch.equal(quant.dequantize_tensor(layer.weight_quant, spec), wq)
+    # the encoder: each second-level block's scale is its own range, and the codes are the paper's
+    absmax = w.reshape(576, 64).abs().amax(1)
+    centred = absmax - absmax.mean()
+    stored = wq.reshape(576, 64).abs().amax(1)  # level +-1 is hit by each block's absmax element
+    for k in range(3):
+        own = slice(256 * k, 256 * (k + 1))
+        assert (stored[own] - absmax[own]).abs().max() <= centred[own].abs().max() / 254 * 1.0001, k
+    assert list(packed[:spec.numel // 2]) == paper_codes(w.reshape(-1).tolist(), 64, PUBLISHED_NF4)

@@ -332,6 +332,64 @@ def json_number(value):
     return None
 
 
+# [Note: hyperparameter types]
+# torch takes hyperparameters of several types: `lr=torch.tensor(1e-2)` (a 0-dim tensor, for capturable
+# or compiled steps), betas as a tuple of tensors, bool flags (maximize, capturable, differentiable,
+# amsgrad), None-or-bool (foreach, fused). A float written back where a tensor lr was changes the step's
+# arithmetic (a tensor lr multiplies in its dtype), and a flag left to
+# the loading engine (maximize) can reverse it. So meta.json records each group entry with its type
+# (`encode_hyperparameter`) and a load restores that type (`decode_hyperparameter`); a value JSON cannot
+# hold is recorded as unstorable and refused at load, naming it, rather than dropped. Checkpoints written
+# before this stored plain numbers and lists only; they decode as before.
+UNSTORABLE = "unstorable"  # meta.json's key for a hyperparameter whose value JSON cannot hold
+
+
+def encode_hyperparameter(value):
+    """A param group's hyperparameter as meta.json holds it, its type kept ([Note: hyperparameter types]):
+    None, bools, ints, floats and strings as themselves; a tensor as {"value": value.tolist(), "tensor":
+    dtype name}; a tuple or list as a list of these; anything else as {"unstorable": its type's name}."""
+    if torch.is_tensor(value):
+        if value.requires_grad or value.is_sparse or value.numel() > 64:
+            return {UNSTORABLE: f"tensor (requires_grad={value.requires_grad}, shape {tuple(value.shape)})"}
+        out = {"value": value.detach().cpu().tolist(), "tensor": str(value.dtype).removeprefix("torch.")}
+        return out if value.device.type == "cpu" else {**out, "device": value.device.type}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        items = [encode_hyperparameter(v) for v in value]
+        if all(not isinstance(i, (list, dict)) or "tensor" in i for i in items):
+            return items
+    return {UNSTORABLE: type(value).__name__}
+
+
+def decode_hyperparameter(saved, current, device: torch.device | None = None):
+    """The value `encode_hyperparameter` recorded, of its saved type: a tensor back in its dtype, on the device
+    of the group's `current` value when that is a tensor, else on the CPU where it was saved there (torch keeps
+    a plain tensor lr on the CPU) and on `device` (the group's parameters') where it was on an accelerator
+    (capturable / fused steps); a list as a tuple unless `current` is a list (torch's betas are tuples). Older
+    checkpoints, which stored plain numbers and lists of numbers only, decode as they always did."""
+    if isinstance(saved, dict):
+        where = (current.device if torch.is_tensor(current)
+                 else device if saved.get("device", "cpu") != "cpu" and device is not None else "cpu")
+        return torch.tensor(saved["value"], dtype=getattr(torch, saved["tensor"]), device=where)
+    if isinstance(saved, list):
+        like = current if isinstance(current, (tuple, list)) and len(current) == len(saved) else [None] * len(saved)
+        items = [decode_hyperparameter(s, c, device) for s, c in zip(saved, like)]
+        return items if isinstance(current, list) else tuple(items)
+    return saved
+
+
+def show_hyperparameter(encoded) -> str:
+    """An encoded hyperparameter for a message: numbers as numbers, a tensor as tensor(value, dtype)."""
+    if isinstance(encoded, dict):
+        if UNSTORABLE in encoded:
+            return f"<{encoded[UNSTORABLE]}, not stored>"
+        return f"tensor({encoded['value']}, dtype={encoded['tensor']})"
+    if isinstance(encoded, list) and any(isinstance(v, dict) for v in encoded):
+        return "(" + ", ".join(show_hyperparameter(v) for v in encoded) + ")"
+    return repr(encoded) if isinstance(encoded, str) else str(encoded)
+
+
 def build_meta(engine, kinds: dict[str, str], extra: dict | None, files: dict[str, dict]) -> dict:
     """meta.json's content for `engine`, given every file's record."""
     optimizer = engine.optimizer
@@ -341,8 +399,8 @@ def build_meta(engine, kinds: dict[str, str], extra: dict | None, files: dict[st
     for group, shards in zip(optimizer.param_groups, optimizer.group_shards):
         fps = [trainable[k] for k in shards]
         names = [names_of.get(names[0], names[0]) for fp in fps for names in fp.names]
-        hyper = {k: json_number(v) for k, v in group.items() if k != "params"}
-        groups.append({"params": names, "hyperparameters": {k: v for k, v in hyper.items() if v is not None}})
+        hyper = {k: encode_hyperparameter(v) for k, v in group.items() if k != "params"}
+        groups.append({"params": names, "hyperparameters": hyper})
     step = optimizer.first_step_count()
     params = {}
     for fp in engine.flat_params:

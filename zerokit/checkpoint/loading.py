@@ -21,8 +21,10 @@ Optimizer.load_state_dict does; rank 0 warns once, naming what changed. A group 
 buffers, so it holds one value per hyperparameter: parameters saved with different values that
 share one of the engine's groups are refused on every rank, naming two of them, their values and
 the fix (build the engine with the saved run's `param_groups`). No parameter ever takes another
-parameter's value. Other options (amsgrad, foreach, ...) are the engine's own; an engine of
-another optimizer class is refused.
+parameter's value. Every other group entry (amsgrad, maximize, foreach, fused, capturable,
+differentiable, ...) is restored too, as torch does, each of its saved type: a tensor lr stays a
+tensor of its dtype ([Note: hyperparameter types], format.py); a value meta.json cannot hold is
+refused at load, naming it. An engine of another optimizer class is refused.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ import torch
 
 from zerokit.checkpoint.commit import raise_on_every_rank
 from zerokit.checkpoint.format import (
-    MASTER, MODEL_INDEX_FILE, SafetensorsReader, Snapshot, json_number, master_start, model_files,
+    MASTER, MODEL_INDEX_FILE, UNSTORABLE, SafetensorsReader, Snapshot, decode_hyperparameter, encode_hyperparameter,
+    json_number, show_hyperparameter, master_start, model_files,
     open_checkpoint, parse_piece_key, rank_file, trainable_with_masters, verify_file)
 
 
@@ -464,12 +467,19 @@ def _match_hyperparameters(engine, meta: dict, meta_path: str) -> tuple[list[dic
                         "param_groups of the run that saved the checkpoint (zk.shard(..., param_groups=...)), so "
                         "that parameters saved with different hyperparameters are in different groups")
         for key, value in hyper.items():
-            mine = json_number(group[key])
+            if isinstance(value, dict) and UNSTORABLE in value:
+                raise ValueError(
+                    f"{meta_path}: {first[key]!r} was saved with optimizer hyperparameter {key!r} of a type "
+                    f"meta.json cannot hold ({value[UNSTORABLE]}), so this load cannot restore it; keep "
+                    "hyperparameters numbers, bools, strings, None, tensors of at most 64 elements without "
+                    "requires_grad, or tuples of these (see [Note: hyperparameter types])")
+            mine = encode_hyperparameter(group[key])
             if mine != value:
                 others = len(names) - 1
-                changes.append(f"{key} {mine} -> {value} for {names[0]!r}"
+                changes.append(f"{key} {show_hyperparameter(mine)} -> {show_hyperparameter(value)} for {names[0]!r}"
                                + (f" and {others} other parameter{'s' if others > 1 else ''}" if others else ""))
-        out.append(hyper)
+        device = group["params"][0].device if group["params"] else None
+        out.append({key: decode_hyperparameter(value, group[key], device) for key, value in hyper.items()})
     return out, changes
 
 
@@ -482,6 +492,10 @@ def _install(engine, plan: _Plan) -> None:
         for name, value in plan.buffers.items():
             module_state[name].copy_(value)
         optimizer = engine.optimizer
+        for group, hyper in zip(optimizer.param_groups, plan.hyper):  # first: `fused` below reads the saved flags
+            for key, value in hyper.items():
+                if key in group:
+                    group[key] = value
         fused = {id(m): bool(g.get("fused") or g.get("capturable")) for g in optimizer.param_groups
                  for m in g["params"]}
         for (_fp, master), values, states in zip(trainable_with_masters(engine), plan.masters, plan.states):
@@ -495,10 +509,6 @@ def _install(engine, plan: _Plan) -> None:
                 key: (t.to(own.tensor.device, own.tensor.dtype) if t.dim() > 0
                       else t.to(own.tensor.device) if fused[id(own.tensor)] else t.clone())
                 for key, t in states.items()}
-        for group, hyper in zip(optimizer.param_groups, plan.hyper):
-            for key, value in hyper.items():
-                if key in group:
-                    group[key] = tuple(value) if isinstance(group[key], tuple) else value
     if engine.scaler is not None and plan.meta.get("loss_scaler") is not None:
         engine.scaler.load_state_dict(plan.meta["loss_scaler"])
     engine.zero_grad()  # also forgets a clip coefficient computed before the load
