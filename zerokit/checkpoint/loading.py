@@ -427,6 +427,6 @@ def _install(engine, plan: _Plan) -> None:
             for key, value in hyper.items():
                 if key in group:
                     group[key] = tuple(value) if isinstance(group[key], tuple) else value
-    if engine.scaler is not None and plan.meta.get("loss_scaler") is not None:
-        engine.scaler.load_state_dict(plan.meta["loss_scaler"])
+    if engine.loss_scaler is not None and plan.meta.get("loss_scaler") is not None:
+        engine.loss_scaler.load_state_dict(plan.meta["loss_scaler"])
     engine.zero_grad()  # also forgets a clip coefficient computed before the load
