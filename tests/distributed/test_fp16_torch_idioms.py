@@ -114,6 +114,10 @@ def _mark_cases(stage, rank, world_size):
     out["scaler.step(a torch optimizer)"] = _attempt(
         lambda: engine.scaler.step(torch.optim.SGD(engine.module.parameters(), lr=0.1)))
     out["scaler.update(new_scale)"] = _attempt(lambda: engine.scaler.update(8.0))
+    scaled = engine.scaler.scale(engine(x, y))  # scaled twice: refused before any backward
+    out["engine.backward(scaled)"] = _attempt(lambda: engine.backward(scaled))
+    out["scale(scaled)"] = _attempt(lambda: engine.scaler.scale(scaled))
+    engine.zero_grad()
     return out
 
 
@@ -499,7 +503,8 @@ def test_torch_clip_idiom_clips_by_the_engines_norm(results):
 
 def test_scaler_state_dict_round_trips_and_foreign_calls_are_refused(results):
     """state_dict()/load_state_dict() carry the scale and counters; an empty (disabled) state into fp16 is refused;
-    scaler.step(a torch optimizer the engine does not own) and update(new_scale) are refused naming the fix."""
+    scaler.step(a torch optimizer the engine does not own), update(new_scale) and a loss scaled twice
+    (engine.backward or scale() on what scale() returned) are refused naming the fix."""
     for res in results:
         sd = res["state_dict"]
         assert sd["saved"] == sd["loaded"] and sd["scale"][0] == sd["scale"][1] == 2048.0, sd
@@ -507,6 +512,9 @@ def test_scaler_state_dict_round_trips_and_foreign_calls_are_refused(results):
         marks = res[("marks", 0)]
         assert "pass engine.optimizer" in marks["scaler.step(a torch optimizer)"]
         assert "loss_scaler=" in marks["scaler.update(new_scale)"]
+        for stage in STAGES:  # a loss scaled twice (engine.backward or scale on engine.scaler.scale's result)
+            for case in ("engine.backward(scaled)", "scale(scaled)"):
+                assert "scaled twice" in (res[("marks", stage)][case] or ""), (stage, case)
 
 
 def test_cs336_fsdp_correctness_through_the_public_fp16_idiom(results):

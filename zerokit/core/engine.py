@@ -64,7 +64,7 @@ from zerokit.core.flat_param import FlatParamState
 from zerokit.core.grad_reduce import GradPath, GradReduction
 from zerokit.core import preemption
 from zerokit.core.model_guard import ModelGuard
-from zerokit.core.precision import GradScaler, LossScaler, PrecisionPolicy, cast_floating_tensors
+from zerokit.core.precision import GradScaler, LossScaler, PrecisionPolicy, cast_floating_tensors, refuse_scaled
 from zerokit.core.tree import PartialSums, exact_square_sum, norm_from_square_sum
 from zerokit.core.unit import wrap_forward_method
 from zerokit.core.user_grads import UserGrads
@@ -138,7 +138,7 @@ class Engine(GradPath, UserGrads):
         that every fp16 leaf of the tree holds the same bits at every world size (core/tree.py).
         """
         if self.loss_scaler is not None:
-            loss = loss * self.loss_factor
+            loss = refuse_scaled(loss, "engine.backward") * self.loss_factor
         self.tracker.engine_backward = True  # this backward is scaled: core/hooks.py [Note: which backward was scaled]
         try:
             loss.backward()

@@ -39,7 +39,7 @@ import torch
 from zerokit.core.nest import map_tensors
 
 __all__ = ["PRECISIONS", "PrecisionPolicy", "make_policy", "LossScaler", "make_loss_scaler", "GradScaler",
-           "has_inf_or_nan", "cast_floating_tensors"]
+           "refuse_scaled", "has_inf_or_nan", "cast_floating_tensors"]
 
 # name -> dtype the params (and by default gradients) live in.
 PRECISIONS: dict[str, torch.dtype] = {
@@ -282,8 +282,10 @@ class GradScaler:
     only, a callback queued at its end clears it again. So the mark is per backward: a scaled
     backward followed by a plain one still counts the plain one, each `no_sync()` micro-batch
     is marked by its own `scale(...)`, and a backward that raised is forgotten by
-    `engine.zero_grad()`. Combining a scaled tensor with an unscaled term
-    (`(scale(a) + b).backward()`) is as wrong here as under torch: scale the whole loss.
+    `engine.zero_grad()`. A tensor `scale` returned is refused by `engine.backward` and by a
+    second `scale` (`refuse_scaled`): either would scale the gradients twice. Combining a scaled
+    tensor with an unscaled term (`(scale(a) + b).backward()`) is as wrong here as under torch:
+    scale the whole loss.
 
     `scale_grad(t)` is the same mark for code that cannot reach the loss (a test adapter that
     only wraps the model: the CS336 FSDP tests compute the loss themselves): `t` is returned
@@ -317,16 +319,15 @@ class GradScaler:
         so its backward counts as scaled ([Note: which backward `scale` marks]). Disabled: `outputs` itself."""
         if self.loss_scaler is None:
             return outputs
-        engine = self._engine()
-        factor = engine.loss_factor
-        return map_tensors(outputs, lambda t: self._marked(t * factor))
+        factor = self._engine().loss_factor
+        return map_tensors(outputs, lambda t: self._marked(refuse_scaled(t, "engine.scaler.scale") * factor))
 
     def scale_grad(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` unchanged in forward; in backward its gradient times the loss scale, and the backward
         marked as scaled ([Note: which backward `scale` marks]). Disabled: `tensor` itself."""
         if self.loss_scaler is None:
             return tensor
-        return self._marked(_ScaleGrad.apply(tensor, self._engine().loss_factor))
+        return self._marked(_ScaleGrad.apply(refuse_scaled(tensor, "engine.scaler.scale_grad"), self._engine().loss_factor))
 
     def unscale_(self, optimizer: Any = None) -> None:
         """Nothing to do: under fp16 `param.grad` and `engine.clip_grad_norm_` already read unscaled gradients
@@ -369,6 +370,7 @@ class GradScaler:
         return s is None or (not s.dynamic and s.scale == 1.0 and self._engine().loss_factor == 1.0)
 
     def _marked(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor._zerokit_scaled = True  # engine.backward and a second scale() refuse it: scaled twice
         if tensor.requires_grad:
             engine = self._engine
             tensor.register_hook(lambda grad: (engine().mark_scaled_backward(), grad)[1])
@@ -385,6 +387,17 @@ class GradScaler:
 
     def __repr__(self) -> str:
         return f"GradScaler(enabled={self.is_enabled()}, {self.loss_scaler!r})"
+
+
+def refuse_scaled(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """`tensor`, unless `engine.scaler.scale` / `scale_grad` made it: scaling it again would leave every gradient
+    the loss scale times too large."""
+    if getattr(tensor, "_zerokit_scaled", False):
+        raise RuntimeError(
+            f"zerokit (fp16): {what}() was given a tensor engine.scaler already scaled, so the gradients would be "
+            "scaled twice: call .backward() on the scaled loss (engine.scaler.scale(loss).backward()), or "
+            "engine.backward(loss) on the unscaled one")
+    return tensor
 
 
 class _ScaleGrad(torch.autograd.Function):
