@@ -132,7 +132,8 @@ class Engine(GradPath, UserGrads):
         return output
 
     def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(), with the loss multiplied by the fp16 loss scale first.
+        """loss.backward(), with the loss multiplied by the fp16 loss scale first: the same bits as torch's
+        idiom `engine.scaler.scale(loss).backward()` (core/precision.py GradScaler).
 
         fp16 under reduction="tree": by scale / N, and the reductions do not divide by N, so
         that every fp16 leaf of the tree holds the same bits at every world size (core/tree.py).

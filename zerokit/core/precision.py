@@ -12,7 +12,8 @@ The recipe CS224N lecture 12 teaches (Micikevicius et al. 2018) in zerokit's voc
 4. fp16 only: the loss is multiplied by a scale before backward so small activation
    gradients do not underflow (fp16 has 5 exponent bits); gradients are divided by the same
    scale before the update; a step whose gradients hold inf/nan is skipped and the scale
-   backs off. bf16 has fp32's 8 exponent bits, so it needs no scaler.
+   backs off. bf16 has fp32's 8 exponent bits, so it needs no scaler. Users reach it the torch
+   way, through `engine.scaler` (`GradScaler` below: `engine.scaler.scale(loss).backward()`).
 
 5. The forward inputs: floating-point tensors among the root call's arguments are cast to
    `param_dtype` (`cast_floating_tensors`), as torch FSDP's mixed precision does, so a model
