@@ -108,6 +108,13 @@ def _mark_cases(stage, rank, world_size):
     engine(x, y).backward()  # ... and leaves no mark behind for the next, plain, one
     out["plain after a scaled step"] = _attempt(engine.step)
     engine.zero_grad()
+    scaled = engine.scaler.scale(engine(x, y))  # a scaled backward that raises (after its mark was set) ...
+    scaled.register_hook(lambda grad: (_ for _ in ()).throw(ValueError("a user hook raised")))
+    out["scaled backward raised"] = _attempt(scaled.backward)
+    engine.zero_grad()  # ... is forgotten by zero_grad: the next plain backward is refused
+    engine(x, y).backward()
+    out["plain after a scaled backward that raised"] = _attempt(engine.step)
+    engine.zero_grad()
     engine(x, y).backward()
     out["plain, dynamic scale: clip"] = _attempt(lambda: engine.clip_grad_norm_(1.0))
     engine.zero_grad()
@@ -438,14 +445,16 @@ def test_the_same_loop_runs_under_fp32_and_bf16_with_a_disabled_scaler(results):
 
 
 def test_the_scaled_mark_is_per_backward(results):
-    """A plain backward beside a scaled one in one no_sync step (either order), or after a scaled step, is refused
-    at the step naming engine.scaler.scale(loss).backward(); the scaled step itself goes through."""
+    """A plain backward beside a scaled one in one no_sync step (either order), after a scaled step, or after a
+    scaled backward that raised and engine.zero_grad(), is refused at the step naming
+    engine.scaler.scale(loss).backward(); the scaled step itself goes through."""
     for res in results:
         for stage in STAGES:
             marks = res[("marks", stage)]
             assert marks["scaled"] is None, (stage, marks["scaled"])
+            assert "a user hook raised" in marks["scaled backward raised"], (stage, marks["scaled backward raised"])
             for case in ("scaled then plain", "plain then scaled", "plain after a scaled step",
-                         "plain, dynamic scale: clip"):
+                         "plain, dynamic scale: clip", "plain after a scaled backward that raised"):
                 message = marks[case]
                 assert message is not None and "engine.scaler.scale(loss).backward()" in message, (stage, case, message)
                 assert "1 backward(s)" in message, (stage, case, message)
