@@ -23,9 +23,9 @@ from zerokit.core.comm import Comm, Simulated
 from zerokit.core.deferred import deferred_init
 from zerokit.core.config import DEFAULT_BUCKET_NUMEL, ShardConfig, check_optimizer_kwargs, default_bucket_numel
 from zerokit.core.hybrid import HybridComm, check_shard_group_size, hybrid_groups
-from zerokit.core.precision import LossScaler, make_policy
+from zerokit.core.precision import GradScaler, LossScaler, make_policy
 
-__all__ = ["init_distributed", "shard", "deferred_init", "hybrid_groups", "estimate", "lora", "quantize", "dequantized_state_dict", "Comm", "HybridComm", "Simulated",
+__all__ = ["init_distributed", "shard", "deferred_init", "hybrid_groups", "estimate", "lora", "quantize", "dequantized_state_dict", "Comm", "HybridComm", "Simulated", "GradScaler",
            "STAGES"]
 
 # stage -> "module:Class"; each stage file stands on its own.
@@ -118,7 +118,11 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     hyperparameters (lr, weight_decay, betas, momentum, ...) pass through to
     `optimizer_cls`; `param_groups(name, param) -> dict` overrides them per parameter,
     and parameters with equal overrides share one flat buffer. `loss_scaler` holds
-    LossScaler keywords for fp16 (init_scale, growth_interval, hysteresis, ...).
+    LossScaler keywords for fp16 (init_scale, growth_interval, hysteresis, ...); `{"init_scale": 1.0,
+    "growth_interval": 0}` is a static scale of 1, under which a plain `loss.backward()` is accepted
+    (with a one-time underflow warning). Every engine has `engine.scaler`, torch GradScaler's shape
+    (`engine.scaler.scale(loss).backward()`, `scaler.step(engine.optimizer)`, `scaler.update()`),
+    disabled under fp32/bf16 so one loop runs at every precision (core/precision.py `GradScaler`).
     `bucket_numel` (stages 0-2): elements per flat gradient bucket; None (the default) picks an eighth of
     the trainable parameters at stage 0 (and at stage 1 on one rank), all of them at stage 1, a
     thirty-second at stage 2, within [32 Ki, 4 Mi] (core/config.py [Note: default bucket size]).

@@ -244,13 +244,28 @@ def test_load_state_dict_rejects_missing_keys():
     (dict(init_scale=1.0, min_scale=2.0), "min_scale"),
     (dict(growth_factor=1.0), "growth_factor"),
     (dict(backoff_factor=1.0), "backoff_factor"),
-    (dict(growth_interval=0), "growth_interval"),
+    (dict(growth_interval=0, dynamic=True), "growth_interval"),
+    (dict(growth_interval=-1), "growth_interval"),
     (dict(hysteresis=0), "hysteresis"),
 ])
 def test_scaler_rejects_bad_configuration(kwargs, word):
     """Each invalid knob raises ValueError naming it."""
     with pytest.raises(ValueError, match=word):
         LossScaler(**kwargs)
+
+
+def test_growth_interval_zero_is_a_static_scale():
+    """`{"init_scale": 1.0, "growth_interval": 0}` (never grow) is a static scale: no growth, no backoff,
+    overflows still counted; the state round-trips (GradScaler [Note: a static scale of 1])."""
+    scaler = LossScaler(init_scale=1.0, growth_interval=0)
+    assert scaler.dynamic is False
+    for overflow in (False, True, False, True, True):
+        scaler.update(overflow)
+        assert scaler.scale == 1.0
+    assert scaler.num_overflows == 3
+    restored = LossScaler()
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.state_dict() == scaler.state_dict() and restored.dynamic is False
 
 
 # ---------------------------------------------------------------- has_inf_or_nan

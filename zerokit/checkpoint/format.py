@@ -422,7 +422,7 @@ def build_meta(engine, kinds: dict[str, str], extra: dict | None, files: dict[st
         "data_parallel_size": engine.comm.data_parallel_size,
         "optimizer": {"class": optimizer.name, "param_groups": groups, "state": kinds,
                       "step": step},
-        "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "versions": {"zerokit": _zerokit_version(), "torch": torch.__version__,
                      "safetensors": safetensors.__version__},
         "params": params,

@@ -509,6 +509,6 @@ def _install(engine, plan: _Plan) -> None:
                 key: (t.to(own.tensor.device, own.tensor.dtype) if t.dim() > 0
                       else t.to(own.tensor.device) if fused[id(own.tensor)] else t.clone())
                 for key, t in states.items()}
-    if engine.scaler is not None and plan.meta.get("loss_scaler") is not None:
-        engine.scaler.load_state_dict(plan.meta["loss_scaler"])
+    if engine.loss_scaler is not None and plan.meta.get("loss_scaler") is not None:
+        engine.loss_scaler.load_state_dict(plan.meta["loss_scaler"])
     engine.zero_grad()  # also forgets a clip coefficient computed before the load

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from typing import Iterator
 
 import torch
@@ -63,7 +64,7 @@ from zerokit.core.flat_param import FlatParamState
 from zerokit.core.grad_reduce import GradPath, GradReduction
 from zerokit.core import preemption
 from zerokit.core.model_guard import ModelGuard
-from zerokit.core.precision import LossScaler, PrecisionPolicy, cast_floating_tensors
+from zerokit.core.precision import GradScaler, LossScaler, PrecisionPolicy, cast_floating_tensors, refuse_scaled
 from zerokit.core.tree import PartialSums, exact_square_sum, norm_from_square_sum
 from zerokit.core.unit import wrap_forward_method
 from zerokit.core.user_grads import UserGrads
@@ -84,7 +85,10 @@ class Engine(GradPath, UserGrads):
         self.module = module
         self.comm = comm
         self.policy = policy
-        self.scaler = scaler
+        self.loss_scaler = scaler  # fp16's LossScaler (None under fp32/bf16), the one optim/sharded.py updates
+        # torch GradScaler's shape over it, at every precision (disabled under fp32/bf16): core/precision.py
+        self.scaler = GradScaler(self, scaler)
+        self._warned_unscaled = False  # the static-scale-1 warning: GradScaler [Note: a static scale of 1]
         self.config = config
         self.rank, self.world_size = comm.rank, comm.world_size
         self.sync_gradients = True  # False inside no_sync(): accumulate locally, no communication
@@ -131,13 +135,14 @@ class Engine(GradPath, UserGrads):
         return output
 
     def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(), with the loss multiplied by the fp16 loss scale first.
+        """loss.backward(), with the loss multiplied by the fp16 loss scale first: the same bits as torch's
+        idiom `engine.scaler.scale(loss).backward()` (core/precision.py GradScaler).
 
         fp16 under reduction="tree": by scale / N, and the reductions do not divide by N, so
         that every fp16 leaf of the tree holds the same bits at every world size (core/tree.py).
         """
-        if self.scaler is not None:
-            loss = loss * (self.scaler.scale / self.comm.data_parallel_size if self._divide_in_loss else self.scaler.scale)
+        if self.loss_scaler is not None:
+            loss = refuse_scaled(loss, "engine.backward") * self.loss_factor
         self.tracker.engine_backward = True  # this backward is scaled: core/hooks.py [Note: which backward was scaled]
         try:
             loss.backward()
@@ -161,13 +166,17 @@ class Engine(GradPath, UserGrads):
                 f"({type(self._backward_error).__name__}: {self._backward_error}), so its gradients are partial: "
                 "after catching it call engine.zero_grad() on every rank, then run the step again "
                 "([Note: recovery after an exception] in zerokit/core/engine.py)")
-        if self.scaler is not None and self.tracker.plain_backwards:
+        if self.loss_scaler is not None and self.tracker.plain_backwards:
+            if self.scaler.plain_backward_ok:  # GradScaler [Note: a static scale of 1]
+                self._warn_unscaled_fp16()
+                return
             raise RuntimeError(
                 f"zerokit (fp16): this backward ran through loss.backward(), so the loss was not multiplied by "
                 f"the loss scale ({self.loss_scale:g}) that the step divides the gradients by, and every gradient "
                 f"would be that many times too small ({self.tracker.plain_backwards} backward(s) since the last "
-                "engine.zero_grad() did not go through engine.backward): call engine.backward(loss) under "
-                "precision='fp16', then engine.zero_grad() and run the step again")
+                "engine.zero_grad() was not scaled): call engine.backward(loss) under precision='fp16' (or torch's "
+                "GradScaler idiom, engine.scaler.scale(loss).backward()), then engine.zero_grad() and run the "
+                "step again")
 
     def register_forward_method(self, name: str) -> None:
         """Let `module.<name>(...)` (say `generate`) run the model as a call of the module does.
@@ -246,7 +255,35 @@ class Engine(GradPath, UserGrads):
 
     @property
     def loss_scale(self) -> float:
-        return float(self.scaler.scale) if self.scaler is not None else 1.0
+        return float(self.loss_scaler.scale) if self.loss_scaler is not None else 1.0
+
+    @property
+    def loss_factor(self) -> float:
+        """What `engine.backward` and `engine.scaler.scale` multiply the loss by: the fp16 loss scale
+        (divided by N under reduction="tree", whose reductions then do not divide); 1.0 without a scaler."""
+        if self.loss_scaler is None:
+            return 1.0
+        scale = self.loss_scaler.scale
+        return scale / self.comm.data_parallel_size if self._divide_in_loss else scale
+
+    def mark_scaled_backward(self) -> None:
+        """The running backward is a scaled one (GradScaler [Note: which backward `scale` marks]): set the
+        tracker's `engine_backward` until autograd finishes this backward."""
+        if not self.tracker.engine_backward:
+            self.tracker.engine_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_scaled_backward)
+
+    def _end_scaled_backward(self) -> None:
+        self.tracker.engine_backward = False
+
+    def _warn_unscaled_fp16(self) -> None:
+        if not self._warned_unscaled:
+            self._warned_unscaled = True
+            warnings.warn(
+                "zerokit (fp16): plain loss.backward() under a static loss scale of 1: fp16 gradients below "
+                "2**-24 (~6e-8) flush to zero and those below 2**-14 (~6e-5) lose precision, silently; if the "
+                "loss stops improving, use the dynamic scaler (drop loss_scaler=) with "
+                "engine.scaler.scale(loss).backward(), or bf16", stacklevel=3)
 
     # -- clipping -----------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -283,8 +320,8 @@ class Engine(GradPath, UserGrads):
         return self._set_clip_coef(total_sq.sqrt().to(self.policy.master_dtype), max_norm)
 
     def _set_clip_coef(self, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-        if self.scaler is not None:
-            norm = norm / self.scaler.scale
+        if self.loss_scaler is not None:
+            norm = norm / self.loss_scaler.scale
         # Spelled as torch.nn.utils.clip_grad_norm_ spells it (a Python float over a tensor is a
         # reciprocal and a multiply), so both give the same coefficient bit for bit.
         self.clip_coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
@@ -368,6 +405,7 @@ class Engine(GradPath, UserGrads):
         """Every stage's `zero_grad` starts here: a pass that raised is discarded, the clip coefficient and
         the tree's partial sums are forgotten."""
         self.discard_unfinished_pass(forward_cut_short)  # [Note: recovery after an exception]
+        self.tracker.engine_backward = False  # a scaled backward that raised: GradScaler [Note: which backward ...]
         self.clip_coef = None
         self.clear_partials()
 

@@ -12,7 +12,8 @@ The recipe CS224N lecture 12 teaches (Micikevicius et al. 2018) in zerokit's voc
 4. fp16 only: the loss is multiplied by a scale before backward so small activation
    gradients do not underflow (fp16 has 5 exponent bits); gradients are divided by the same
    scale before the update; a step whose gradients hold inf/nan is skipped and the scale
-   backs off. bf16 has fp32's 8 exponent bits, so it needs no scaler.
+   backs off. bf16 has fp32's 8 exponent bits, so it needs no scaler. Users reach it the torch
+   way, through `engine.scaler` (`GradScaler` below: `engine.scaler.scale(loss).backward()`).
 
 5. The forward inputs: floating-point tensors among the root call's arguments are cast to
    `param_dtype` (`cast_floating_tensors`), as torch FSDP's mixed precision does, so a model
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -53,7 +55,7 @@ import torch
 from zerokit.core.nest import map_tensors
 
 __all__ = ["PRECISIONS", "PrecisionPolicy", "make_policy", "master_dtype_of", "LossScaler", "make_loss_scaler",
-           "has_inf_or_nan", "cast_floating_tensors"]
+           "GradScaler", "refuse_scaled", "has_inf_or_nan", "cast_floating_tensors"]
 
 # name -> dtype the params (and by default gradients) live in.
 PRECISIONS: dict[str, torch.dtype] = {
@@ -202,12 +204,21 @@ class LossScaler:
     exactly the `growth_interval`-th consecutive clean step, as torch's GradScaler does.
 
     `dynamic=False` is a static scale: `update` never changes anything (an overflowed step is
-    still skipped by the engine) and never raises.
+    still skipped by the engine) and never raises. `growth_interval=0` ("never grow") means the
+    same: `{"init_scale": 1.0, "growth_interval": 0}` is a static scale of 1 (`dynamic` left
+    unset follows it; `dynamic=True` with it is refused, since a dynamic scale that never grows
+    only ever falls). A static scale of exactly 1 leaves nothing to unscale, so the engine
+    accepts a plain `loss.backward()` under it (GradScaler [Note: a static scale of 1]).
     """
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, hysteresis: int = 1, min_scale: float = 1.0,
-                 dynamic: bool = True) -> None:
+                 dynamic: bool | None = None) -> None:
+        if dynamic is None:
+            dynamic = growth_interval != 0
+        elif dynamic and growth_interval == 0:
+            raise ValueError("growth_interval=0 means a static scale (it never grows): drop dynamic=True, or pass "
+                             "growth_interval >= 1 for a dynamic one")
         if not (math.isfinite(init_scale) and init_scale > 0):
             raise ValueError(f"init_scale must be a positive finite number, got {init_scale}")
         if not (math.isfinite(min_scale) and min_scale > 0):
@@ -218,8 +229,8 @@ class LossScaler:
             raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
         if not 0.0 < backoff_factor < 1.0:
             raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
-        if not (isinstance(growth_interval, int) and growth_interval >= 1):
-            raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
+        if not (isinstance(growth_interval, int) and growth_interval >= (1 if dynamic else 0)):
+            raise ValueError(f"growth_interval must be an int >= 1 (or 0: a static scale), got {growth_interval!r}")
         if not (isinstance(hysteresis, int) and hysteresis >= 1):
             raise ValueError(f"hysteresis must be an int >= 1 (1 = back off on every overflow), got {hysteresis!r}")
         self.init_scale = float(init_scale)
@@ -296,6 +307,166 @@ class LossScaler:
     def __repr__(self) -> str:
         return (f"LossScaler(scale={self._scale:g}, dynamic={self.dynamic}, clean_steps={self._clean_steps}/"
                 f"{self.growth_interval}, hysteresis_left={self._hysteresis_left}/{self.hysteresis})")
+
+
+class GradScaler:
+    """`engine.scaler`: torch.amp.GradScaler's shape over the engine's LossScaler, so torch's fp16 loop runs.
+
+        engine.scaler.scale(loss).backward()
+        engine.scaler.step(engine.optimizer)   # or engine.step(): unscale, agree on overflow, skip or step
+        engine.scaler.update()                 # nothing left to do: the step above updated the scale
+
+    Every precision has one, so the loop above runs unchanged under fp32/bf16/fp16: under
+    fp32/bf16 it is disabled, as torch's `GradScaler(enabled=False)` (`scale` returns its
+    argument itself, `get_scale()` is 1.0, `state_dict()` is {}). What differs from torch's:
+
+    - the unscale, the all-ranks overflow check, the skip and the scale update all happen inside
+      the engine's step (optim/sharded.py `apply`), one multiply with the clip coefficient; so
+      `step` is `engine.step()` (True when it stepped, False when an inf/nan on any rank
+      skipped it, on every rank alike), `update()` does nothing and `unscale_` does nothing:
+      `param.grad` and `engine.clip_grad_norm_` already read unscaled gradients under fp16
+      (core/user_grads.py), so torch's clipping idiom (`unscale_`, then
+      `torch.nn.utils.clip_grad_norm_(model.parameters(), c)`) clips by the same norm.
+    - the scale lives in the LossScaler (`engine.loss_scaler`, DeepSpeed's knobs and
+      hysteresis), configured by `zk.shard(..., loss_scaler={...})`, not by this object.
+
+    [Note: which backward `scale` marks]
+    Under fp16 the engine refuses a step on gradients of a backward the scale never multiplied
+    (core/hooks.py [Note: which backward was scaled]). `scale(loss)` returns `loss * scale`
+    with a gradient hook on it: the hook runs first in that tensor's backward (it is the root,
+    before any parameter's gradient) and sets the tracker's `engine_backward` for that backward
+    only, a callback queued at its end clears it again. So the mark is per backward: a scaled
+    backward followed by a plain one still counts the plain one, each `no_sync()` micro-batch
+    is marked by its own `scale(...)`, and a backward that raised is forgotten by
+    `engine.zero_grad()`. A tensor `scale` returned is refused by `engine.backward` and by a
+    second `scale` (`refuse_scaled`): either would scale the gradients twice. Combining a scaled
+    tensor with an unscaled term (`(scale(a) + b).backward()`) is as wrong here as under torch:
+    scale the whole loss.
+
+    `scale_grad(t)` is the same mark for code that cannot reach the loss (a test adapter that
+    only wraps the model: the CS336 FSDP tests compute the loss themselves): `t` is returned
+    unchanged in forward, and its gradient is multiplied by the scale in backward, which
+    scales every parameter gradient upstream exactly as scaling the loss would.
+
+    [Note: a static scale of 1]
+    `loss_scaler={"init_scale": 1.0, "growth_interval": 0}` is fp16 without loss scaling: the
+    step divides by 1, so a plain `loss.backward()` is accepted (`plain_backward_ok`), once
+    per engine with a warning that fp16 gradients below 2**-24 (~6e-8) flush to zero and
+    those below 2**-14 lose precision without a scale; an overflowed step is still skipped.
+    Any other scale (or under reduction="tree", whose loss is divided by N before backward)
+    still needs the scaled backward.
+    """
+
+    def __init__(self, engine: Any, loss_scaler: LossScaler | None) -> None:
+        self._engine = weakref.ref(engine)  # the engine holds this object: no reference cycle
+        self.loss_scaler = loss_scaler
+
+    # -- torch.amp.GradScaler's methods ---------------------------------------------------
+    def is_enabled(self) -> bool:
+        """True under fp16 (a LossScaler exists); False under fp32/bf16."""
+        return self.loss_scaler is not None
+
+    def get_scale(self) -> float:
+        """The current loss scale (1.0 when disabled), as torch's `get_scale()`."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def scale(self, outputs: Any) -> Any:
+        """`outputs` (a tensor, or tensors nested in lists/tuples/dicts) times the loss scale, each marked
+        so its backward counts as scaled ([Note: which backward `scale` marks]). Disabled: `outputs` itself."""
+        if self.loss_scaler is None:
+            return outputs
+        factor = self._engine().loss_factor
+        return map_tensors(outputs, lambda t: self._marked(refuse_scaled(t, "engine.scaler.scale") * factor))
+
+    def scale_grad(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` unchanged in forward; in backward its gradient times the loss scale, and the backward
+        marked as scaled ([Note: which backward `scale` marks]). Disabled: `tensor` itself."""
+        if self.loss_scaler is None:
+            return tensor
+        return self._marked(_ScaleGrad.apply(refuse_scaled(tensor, "engine.scaler.scale_grad"), self._engine().loss_factor))
+
+    def unscale_(self, optimizer: Any = None) -> None:
+        """Nothing to do: under fp16 `param.grad` and `engine.clip_grad_norm_` already read unscaled gradients
+        (the step unscales the shards it updates), so clipping after this call clips by the unscaled norm."""
+        self._check_optimizer(optimizer, "unscale_")
+
+    def step(self, optimizer: Any = None, *args: Any, **kwargs: Any) -> bool:
+        """`engine.step()`: unscale, agree on overflow across ranks, skip or step, update the scale.
+        Returns True when it stepped, False when fp16 skipped the step (the same on every rank)."""
+        if args or kwargs:
+            raise TypeError("engine.scaler.step(optimizer) takes no closure or extra arguments: "
+                            "the engine's step runs one update")
+        self._check_optimizer(optimizer, "step")
+        return self._engine().step()
+
+    def update(self, new_scale: float | None = None) -> None:
+        """Nothing to do: `engine.step()` (and `step` above) already updated the scale, on every rank alike.
+        Kept so torch's loop (`scaler.step(opt); scaler.update()`) runs unchanged. A `new_scale` is refused."""
+        if new_scale is not None:
+            raise ValueError("engine.scaler.update(new_scale) is not offered: configure the scale with "
+                             "zk.shard(..., loss_scaler={'init_scale': ...}) or restore it with load_state_dict")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The LossScaler's state (`LossScaler.state_dict`); {} when disabled, as torch's."""
+        return self.loss_scaler.state_dict() if self.loss_scaler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s state; disabled: ignored, as torch's."""
+        if self.loss_scaler is None:
+            return
+        if not state:
+            raise RuntimeError("this scaler state_dict is empty: it was saved under fp32/bf16 (a disabled scaler)")
+        self.loss_scaler.load_state_dict(state)
+
+    # -- zerokit's own ----------------------------------------------------------------------
+    @property
+    def plain_backward_ok(self) -> bool:
+        """True when a plain `loss.backward()` gives the gradients the step expects ([Note: a static scale of 1])."""
+        s = self.loss_scaler
+        return s is None or (not s.dynamic and s.scale == 1.0 and self._engine().loss_factor == 1.0)
+
+    def _marked(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor._zerokit_scaled = True  # engine.backward and a second scale() refuse it: scaled twice
+        if tensor.requires_grad:
+            engine = self._engine
+            tensor.register_hook(lambda grad: (engine().mark_scaled_backward(), grad)[1])
+        return tensor
+
+    def _check_optimizer(self, optimizer: Any, method: str) -> None:
+        engine = self._engine()
+        if optimizer is None or optimizer is engine.optimizer or optimizer is getattr(engine.optimizer, "optimizer", None):
+            return
+        raise ValueError(
+            f"engine.scaler.{method}() was given an optimizer the engine does not own "
+            f"({type(optimizer).__name__}); the engine's optimizer steps the shards: pass engine.optimizer "
+            f"(or nothing)")
+
+    def __repr__(self) -> str:
+        return f"GradScaler(enabled={self.is_enabled()}, {self.loss_scaler!r})"
+
+
+def refuse_scaled(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """`tensor`, unless `engine.scaler.scale` / `scale_grad` made it: scaling it again would leave every gradient
+    the loss scale times too large."""
+    if getattr(tensor, "_zerokit_scaled", False):
+        raise RuntimeError(
+            f"zerokit (fp16): {what}() was given a tensor engine.scaler already scaled, so the gradients would be "
+            "scaled twice: call .backward() on the scaled loss (engine.scaler.scale(loss).backward()), or "
+            "engine.backward(loss) on the unscaled one")
+    return tensor
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `factor` (GradScaler.scale_grad)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
 
 
 def make_loss_scaler(policy: PrecisionPolicy, **kwargs: Any) -> LossScaler | None:

@@ -91,7 +91,7 @@ class DDPEngine(Checkpointing, Engine):
         its reduce-dtype copy (or, under reduction="tree", in the partial sum of the step's micro-batches)."""
         reduction = self.reductions[group.index] = self.grad_reduction(group, group.flat_grad)
         reduction.all_reduce()
-        if reduction.copied or self.scaler is not None:
+        if reduction.copied or self.loss_scaler is not None:
             # `.grad` shows the average (not the bucket's local sum), and under fp16 unscaled
             # norms: a replicated ShardedGrad (core/user_grads.py), so that
             # torch.nn.utils.clip_grad_norm_ equals engine.clip_grad_norm_.
