@@ -15,7 +15,7 @@ import torch
 
 import zerokit as zk
 from zerokit.launch import run_ranks
-from zerokit.optim.whole_params import is_elementwise
+from zerokit.optim.whole_params import is_elementwise, step_cost
 
 from common import OddBlock, _build_ddp, odd_batch, odd_model, params_of
 from test_dtypes_and_layouts import conv_batch, conv_model
@@ -128,7 +128,8 @@ def _zerokit(name, stage, rank, world_size, precision="fp32"):
     engine.comm.reset_stats()
     _train(engine, engine.optimizer, rank, world_size)
     stats = engine.comm.stats_by_phase().get("step", {})
-    return engine.state_dict(full=True), sum(stats.values()), engine.optimizer.whole is not None
+    cost = step_cost([fp.layout for fp in engine.flat_params if fp.requires_grad], world_size)
+    return engine.state_dict(full=True), (sum(stats.values()), cost), engine.optimizer.whole is not None
 
 
 def _cases(rank, world_size, directory):
@@ -238,13 +239,17 @@ def test_every_optimizer_equals_ddp_bitwise(results, name, stage):
         assert whole == (not is_elementwise(OPTIMIZERS[name][0]))
 
 
-def test_whole_parameters_move_bytes_only_at_sharded_stages(results):
+def test_whole_parameters_move_the_bytes_step_cost_counts(results):
+    """What the whole-parameter path adds to a step is what `step_cost` (and `zerokit explain`) say: nothing at
+    stage 0, the all-gathers and broadcasts it counts at stages 1-3."""
     for result in results:
         for name in OPTIMIZERS:
-            flat = result["AdamW", 1][2]
             whole = result[name, 1][3]
-            assert result[name, 0][2] == result["AdamW", 0][2], name  # stage 0: no gather, whatever the class
-            assert (result[name, 1][2] > flat) == whole, name  # stages 1-3: gathers and broadcasts
+            for stage in (0, 1, 2, 3):
+                (moved, cost), (flat, _) = result[name, stage][2], result["AdamW", stage][2]
+                extra = cost["all_gather_bytes"] + cost["broadcast_bytes"] if whole and stage > 0 else 0
+                assert moved - flat == STEPS * extra, (name, stage, moved, flat, cost)
+            assert result[name, 1][2][1]["buffers_gathered"] > 0  # the odd model has straddlers at 2 ranks
 
 
 @pytest.mark.parametrize("name", ["Adafactor", "MuonLike"])

@@ -111,3 +111,20 @@ def test_every_stage_imports_and_none_is_skipped():
         engine_cls = getattr(importlib.import_module(module_name), class_name)  # raises: the test fails
         assert engine_cls.stage == stage, (where, engine_cls.stage)
     assert available_stages([0, 1, 2, 3]) == ([0, 1, 2, 3], {})
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_explain_counts_what_a_whole_parameter_optimizer_adds(stage):
+    """Stage 0 steps every parameter whole on every rank: nothing moves. At stages 1-3 the report counts
+    the buffers with a parameter across a shard boundary (tests/distributed/test_optimizer_classes.py checks
+    the same count against the bytes a run moves), and the most elements one rank steps."""
+    report = layout_report("tiny", 4, stage)
+    whole = report["whole_parameter_step"]
+    crossing = [f for f in report["flat_params"] if f["requires_grad"] and any(len(p["pieces"]) > 1 for p in f["params"])]
+    if stage == 0:
+        assert whole["buffers_gathered"] == 0 and whole["all_gather_bytes"] == 0 and whole["broadcast_bytes"] == 0
+    else:
+        assert whole["buffers_gathered"] == len(crossing) > 0
+        assert whole["all_gather_bytes"] == sum(2 * 4 * f["padded_numel"] for f in crossing)
+        assert whole["max_owned_elements"] >= max(f["shard_numel"] for f in report["flat_params"])
+    assert any("whole parameters" in line for line in render(report))

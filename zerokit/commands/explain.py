@@ -17,7 +17,8 @@ For each parameter: its names (tied ones share one entry), shape, offset in its 
 the ranks whose shard it overlaps, with the first rank's element range and shard offset. For
 each buffer: extent, padding, shard size, the unit it belongs to (stage 3), its optimizer
 overrides. At the end: bytes per rank by category, summed over the padded buffers of this
-layout under this stage's sharding, beside `estimate()`.
+layout under this stage's sharding, beside `estimate()`; and what an optimizer that needs whole
+parameters adds to each step at this layout (optim/whole_params.py `step_cost`).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import torch
 from zerokit import bench
 from zerokit.core.materialize import layout_only
 from zerokit.core.estimate import OPTIMIZER_STATE_BYTES, PRECISIONS, bytes_per_param, estimate
+from zerokit.optim.whole_params import step_cost
 
 
 def layout_report(model_name: str, world_size: int, stage: int, bucket_numel: int | None = None,
@@ -82,6 +84,9 @@ def layout_report(model_name: str, world_size: int, stage: int, bucket_numel: in
             "bucket_numel": bucket_numel or zk.default_bucket_numel(trainable, stage, world_size),
             "num_params": num_params, "trainable_params": trainable, "units": units, "flat_params": flats,
             "bytes_per_rank": layout_bytes_per_rank(flats, stage, precision, optimizer),
+            # an optimizer that needs whole parameters (Adafactor, Muon, LAMB: optim/whole_params.py) at this layout
+            "whole_parameter_step": step_cost([fp.layout for fp in engine.flat_params if fp.requires_grad],
+                                              world_size if stage > 0 else 1, master_bytes=4),
             "estimate": estimate(num_params, world_size, stage, precision, optimizer,
                                  trainable_params=trainable).as_dict()}
 
@@ -145,6 +150,19 @@ def render(report: dict) -> list[str]:
         lines.append(f"  {c:<17} {layout_bytes[c]:>16,} / {est[c]:>16,}")
     total_l, total_e = sum(layout_bytes.values()), sum(est[c] for c in layout_bytes)
     lines.append(f"  {'total':<17} {total_l:>16,} / {total_e:>16,}")
+    whole = report["whole_parameter_step"]
+    lines.append("an optimizer that needs whole parameters (Adafactor, Muon, LAMB, any class not known elementwise: "
+                 "optim/whole_params.py), per step and rank, beyond the flat path:")
+    if whole["buffers_gathered"] == 0:
+        lines.append("  nothing: every parameter lies inside one rank's shard" if report["stage"] > 0 else
+                     "  nothing: at stage 0 every rank steps every parameter, whole")
+    else:
+        lines.append(f"  {whole['buffers_gathered']} of {whole['buffers']} buffers hold a parameter that crosses a "
+                     f"shard boundary ({whole['straddlers']} such parameters): all-gathers "
+                     f"{whole['all_gather_bytes']:,} B + broadcasts {whole['broadcast_bytes']:,} B (fp32), "
+                     f"transient {whole['transient_bytes']:,} B")
+        lines.append(f"  the most parameter elements one rank steps (holds state for): "
+                     f"{whole['max_owned_elements']:,}, vs a shard's {whole['shard_elements']:,}")
     padding = sum(f["padding"] for f in report["flat_params"])
     lines.append(f"padding: {padding:,} elements in all ({padding / max(1, report['num_params']):.4%} of Ψ)")
     return lines

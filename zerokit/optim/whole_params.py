@@ -86,6 +86,43 @@ def _shaped(flat: torch.Tensor, shape, stride) -> torch.Tensor:
     return flat.view(shape) if stride is None else flat.as_strided(shape, stride)
 
 
+def owner_of(offset: int, shard_numel: int, world_size: int) -> int:
+    """The rank that steps the parameter whose first element is at `offset`: the one whose shard holds it."""
+    return 0 if shard_numel == 0 else min(offset // shard_numel, world_size - 1)
+
+
+def crosses(offset: int, numel: int, shard_numel: int) -> bool:
+    """Whether elements [offset, offset + numel) lie in more than one shard (a straddler)."""
+    return numel > 0 and shard_numel > 0 and offset // shard_numel != (offset + numel - 1) // shard_numel
+
+
+def step_cost(layouts, world_size: int, master_bytes: int = 4) -> dict[str, int]:
+    """What the whole-parameter path adds to each step over the flat path, per rank, for these layouts
+    (core/partition.py FlatLayout: `offsets`, `numels`, `padded_numel`, `shard_numel`): counted the way
+    core/comm.py counts (an all-gather's output bytes, a broadcast's tensor bytes), and how unevenly it
+    spreads the parameters whose state a rank holds. Nothing at one rank or where the shard is the buffer."""
+    out = {"buffers": len(layouts), "buffers_gathered": 0, "all_gather_bytes": 0, "broadcast_bytes": 0,
+           "transient_bytes": 0, "straddlers": 0, "max_owned_elements": 0, "shard_elements": 0}
+    owned = [0] * world_size
+    for layout in layouts:
+        shard = layout.shard_numel
+        out["shard_elements"] += shard
+        spans = [(o, n) for o, n in zip(layout.offsets, layout.numels)]
+        for o, n in spans:
+            owned[owner_of(o, shard, world_size)] += n
+        if world_size == 1:
+            continue
+        cross = [n for o, n in spans if crosses(o, n, shard)]
+        if cross:
+            out["buffers_gathered"] += 1
+            out["straddlers"] += len(cross)
+            out["all_gather_bytes"] += 2 * layout.padded_numel * master_bytes
+            out["broadcast_bytes"] += sum(cross) * master_bytes
+            out["transient_bytes"] = max(out["transient_bytes"], 2 * layout.padded_numel * master_bytes)
+    out["max_owned_elements"] = max(owned)
+    return out
+
+
 @dataclass(eq=False)
 class Owned:
     """A parameter this rank steps: `tensor` is what the wrapped optimizer holds, in the module's shape."""
@@ -128,20 +165,20 @@ class WholeParams:
             shard = fp.shard_numel
             owned, straddlers = [], []
             for j, (o, n, shape) in enumerate(zip(fp.layout.offsets, fp.layout.numels, fp.layout.shapes)):
-                owner = comm.rank if whole or shard == 0 else min(o // shard, comm.world_size - 1)
-                crosses = not whole and n > 0 and o // shard != (o + n - 1) // shard
-                if crosses:
+                owner = comm.rank if whole else owner_of(o, shard, comm.world_size)
+                straddles = not whole and crosses(o, n, shard)
+                if straddles:
                     straddlers.append(Straddler(j, o, n, owner))
                 if owner != comm.rank:
                     continue
                 stride = fp.strides[j]  # the module's strides (channels_last...), or None: contiguous
-                if crosses:
+                if straddles:
                     tensor = (torch.empty(shape, dtype=master.dtype, device=master.device) if stride is None else
                               torch.empty_strided(shape, stride, dtype=master.dtype, device=master.device))
                     free_storage(tensor)
                 else:
                     tensor = _shaped(master[o - lo:o - lo + n], shape, stride)
-                owned.append(Owned(k, j, o, n, tensor, not crosses))
+                owned.append(Owned(k, j, o, n, tensor, not straddles))
             self.owned.append(owned)
             self.straddlers.append(straddlers)
 
