@@ -44,3 +44,14 @@ def test_example_trains_under_torchrun_at_world_size_2(stage):
 def test_example_trains_as_a_single_process():
     """`python examples/train_loop.py` (no torchrun: world size 1, stage 2) finishes and the loss falls."""
     _check(_run([sys.executable, EXAMPLE]), world_size=1, stage=2)
+
+
+def test_shaped_optimizers_example_equals_ddp_under_torchrun():
+    """`torchrun --nproc-per-node 2 examples/shaped_optimizers.py 3`: Muon-like, LAMB-like and Adafactor at
+    stage 3, each on the whole-parameter path, end with DDP's bits on both ranks."""
+    out = _run(TORCHRUN + [os.path.join(REPO, "examples", "shaped_optimizers.py"), "3"])
+    found = re.findall(r"rank (\d)/2 stage 3 (\w+): whole-parameter path True, max \|zerokit - DDP\| after 4 steps = "
+                       r"(\S+)", out)
+    assert sorted((r, name) for r, name, _ in found) == sorted(
+        (str(r), name) for r in range(2) for name in ("Adafactor", "LambLike", "MuonLike")), out
+    assert all(float(diff) == 0.0 for _, _, diff in found), out

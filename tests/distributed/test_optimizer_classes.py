@@ -18,58 +18,10 @@ from zerokit.launch import run_ranks
 from zerokit.optim.whole_params import is_elementwise, step_cost
 
 from common import OddBlock, _build_ddp, odd_batch, odd_model, params_of
+from shaped_optimizers import LambLike, MuonLike  # examples/shaped_optimizers.py
 from test_dtypes_and_layouts import conv_batch, conv_model
 
 STEPS = 4
-
-
-class MuonLike(torch.optim.Optimizer):
-    """Momentum, then each 2-D update orthogonalized by 5 Newton-Schulz steps (Muon's idea); others: SGD."""
-
-    def __init__(self, params, lr=1e-2, momentum=0.9):
-        super().__init__(params, dict(lr=lr, momentum=momentum))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-                buf.mul_(group["momentum"]).add_(p.grad)
-                update = buf
-                if p.dim() == 2:
-                    x = buf / (buf.norm() + 1e-7)
-                    for _ in range(5):
-                        x = 1.5 * x - 0.5 * x @ x.T @ x
-                    update = x * max(1.0, p.shape[0] / p.shape[1]) ** 0.5
-                p.add_(update, alpha=-group["lr"])
-
-
-class LambLike(torch.optim.Optimizer):
-    """Adam's direction scaled per parameter by the trust ratio ||w|| / ||update|| (LAMB's idea)."""
-
-    def __init__(self, params, lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
-                state["step"] += 1
-                state["m"].mul_(b1).add_(p.grad, alpha=1 - b1)
-                state["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                update = state["m"] / (state["v"].sqrt() + group["eps"]) + group["weight_decay"] * p
-                w, u = p.norm(), update.norm()
-                trust = torch.where((w > 0) & (u > 0), w / u, torch.ones_like(w))
-                p.add_(update * trust, alpha=-group["lr"])
 
 
 class LionLike(torch.optim.Optimizer):
