@@ -235,7 +235,7 @@ class Zero3Engine(Checkpointing, Engine):
 
     def reduce_grads(self, state: FlatParamState) -> None:
         """Reduce-scatter now (into the grad shard, allocated if zero_grad freed it: core/grad_reduce.py [Note: grad
-        shards]), free the full buffer when done: core/engine.py `reduce_scatter_grad`."""
+        shards]), free the full buffer when done: core/grad_reduce.py `reduce_scatter_grad`."""
         self.reduce_scatter_grad(state)
 
     # 3. finish backward ---------------------------------------------------------------
