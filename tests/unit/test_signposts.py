@@ -3,9 +3,9 @@
 Over zerokit/, benchmarks/ (not results/: generated output), scripts/, tests/, docs/ and README.md:
 - every `[Note: X]` cited is defined: a line holding only `[Note: X]` (in a comment, `# [Note: X]`) that starts a
   docstring or comment paragraph; a citation that names a file (`core/engine.py [Note: X]`, "(`optim/sharded.py`
-  [Note: X])", "`core/hybrid.py`, [Note: X]") is defined in that file;
-- every "path/file.py `name`" pointer names a file that exists and defines `name` (def, class or assignment at any
-  level; for `A.b`, each of A and b);
+  [Note: X])", "`core/hybrid.py`, [Note: X]", "[Note: X] in zerokit/stages/zero3.py") is defined in that file;
+- every "path/file.py `name`" pointer names a file that exists and defines `name` (def, class, assignment or
+  argument at any level; for `A.b`, each of A and b);
 - no class body defines a method twice (the second silently replaces the first);
 - no file:line pointers (they go stale with the first edit above the line);
 - the README's stage table is the current output of `scripts/stage_diff.sh --stat`.
@@ -26,6 +26,8 @@ THIS = Path(__file__).resolve().relative_to(ROOT).as_posix()  # its planted exam
 NOTE = re.compile(r"\[Note:\s*([^\]]*)\]")
 # a file path just before a citation: `core/engine.py [Note: X]`, "(`optim/sharded.py` [Note: X", "x.py`, [Note:"
 PATH_BEFORE = re.compile(r"([\w./\\-]+\.(?:py|md|sh))`?,?\s*$")
+# or just after it (or after a list of them): "[Note: A] and [Note: B] in zerokit/stages/zero3.py"
+PATH_AFTER = re.compile(r"(?:\s*(?:,|and)\s*\[Note:[^\]]*\])*\s+in\s+`?([\w./\\-]+\.(?:py|md|sh))\b")
 POINTER = re.compile(r"(?<![\w/.])`?([\w][\w./\\-]*\.py)`?\s+\(?`([A-Za-z_][\w.]*)(?=[`(\[])")
 FILE_LINE = re.compile(r"(?<![\w/.])[\w./-]*\w\.(?:py|md|sh):\d+\b")
 
@@ -107,7 +109,8 @@ def check_notes(files):
             if name == "...":  # the form itself (docs/style.md), not a citation
                 continue
             line = flat.count("\n", 0, m.start()) + 1
-            before = PATH_BEFORE.search(flat[max(0, m.start() - 120):m.start()].replace("(", " "))
+            before = (PATH_BEFORE.search(flat[max(0, m.start() - 120):m.start()].replace("(", " "))
+                      or PATH_AFTER.match(flat, m.end()))
             if before:
                 targets = resolve(before.group(1), by_path, near=path)
                 if _missing(before.group(1), targets):
@@ -231,13 +234,16 @@ def test_each_check_finds_a_planted_violation():
     defs = ("zerokit/core/a.py", f'"""A.\n\n{note}kept]\nwhy.\n"""\n'
                                  f"def f():\n    pass\nclass K:\n    LIMIT = 1\n")
     other = ("zerokit/core/b.py", f"x = 1\n# {note}own]\n# why\n")
-    cites = ("docs/x.md", f"core/a.py {note}kept], (`core/a.py`\n{note}kept]) and {note}own]; {note}...]\n")
+    cites = ("docs/x.md", f"core/a.py {note}kept], (`core/a.py`\n{note}kept]) and {note}own]; {note}...]\n"
+                          f"{note}own] and {note}own] in core/b.py\n")
     assert check_notes([defs, other, cites]) == []
     planted = ("zerokit/core/c.py", f"# in core/b.py {note}kept]; {note}gone]\n# see core/nofile.py {note}kept]\n"
-                                    f"# then:\n# {note}not a definition]\n# (a paragraph's second line)\n")
+                                    f"# then:\n# {note}not a definition]\n# (a paragraph's second line)\n"
+                                    f"# {note}kept] and {note}own] in core/a.py\n")
     bad = check_notes([defs, other, planted])
     assert [b.split(":")[0] for b in bad] == ["zerokit/core/c.py line 1"] * 2 + ["zerokit/core/c.py line 2",
-                                                                                 "zerokit/core/c.py line 4"], bad
+                                                                                 "zerokit/core/c.py line 4",
+                                                                                 "zerokit/core/c.py line 6"], bad
     tick = "`"
     assert check_pointers([defs, ("docs/y.md", f"core/a.py {tick}f{tick} and (core/a.py {tick}K.LIMIT{tick})")]) == []
     bad = check_pointers([defs, ("docs/y.md", f"core/a.py {tick}g{tick}; core/a.py {tick}K.other{tick}; "
