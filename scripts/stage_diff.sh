@@ -3,7 +3,8 @@
 # order ddp.py -> zero1.py -> zero2.py -> zero3.py (the last pair only once zero3.py exists).
 # Usage: scripts/stage_diff.sh [--color]   (extra arguments go to diff)
 #        scripts/stage_diff.sh --stat      lines per stage file (all / code: docstrings, comments and
-#                                          blank lines dropped) and the code lines each step changes
+#                                          blank lines dropped) and the code lines each step changes,
+#                                          as the Markdown table the README shows
 set -u
 stages_dir="$(cd "$(dirname "$0")/../zerokit/stages" && pwd)"
 files=(ddp.py zero1.py zero2.py zero3.py)
@@ -29,20 +30,23 @@ def code_lines(path):
 
 stages_dir, files = sys.argv[1], [f for f in sys.argv[2:] if os.path.exists(os.path.join(sys.argv[1], f))]
 code = {}
-print(f"{'file':<10} {'lines':>6} {'code':>6}")
 for f in files:
-    path = os.path.join(stages_dir, f)
-    code[f] = code_lines(path)
-    print(f"{f:<10} {len(open(path).read().splitlines()):>6} {len(code[f]):>6}")
-print(f"\n{'step':<20} {'changed code lines (added + removed)':>36}")
+    code[f] = code_lines(os.path.join(stages_dir, f))
+changed = {}
 for a, b in zip(files, files[1:]):
     with tempfile.TemporaryDirectory() as tmp:  # GNU diff: the minimal edit
         for f in (a, b):
             with open(os.path.join(tmp, f), "w") as out:
                 out.write("\n".join(code[f]) + "\n")
         diff = subprocess.run(["diff", os.path.join(tmp, a), os.path.join(tmp, b)], capture_output=True, text=True).stdout
-    changed = sum(1 for d in diff.splitlines() if d[:2] in ("< ", "> "))
-    print(f"{a + ' -> ' + b:<20} {changed:>36}")
+    changed[b] = (f"{a[:-3]} → {b[:-3]}", sum(1 for d in diff.splitlines() if d[:2] in ("< ", "> ")))
+# the README's table, as it stands there (tests/unit/test_signposts.py checks that it is current)
+print("| file | lines | code lines | step | changed code lines |")
+print("|---|---|---|---|---|")
+for f in files:
+    step, n = changed.get(f, ("", ""))
+    lines = len(open(os.path.join(stages_dir, f)).read().splitlines())
+    print("|" + "|".join(f" {c} " if c != "" else " " for c in (f, lines, len(code[f]), step, n)) + "|")
 PY
     exit $?
 fi

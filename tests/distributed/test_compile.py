@@ -63,9 +63,10 @@ def _compiled_vs_eager(rank, world_size, stages):
 def test_compiled_model_and_blocks_train_bitwise_like_eager(tmp_path, world_size, stages):
     """`model.compile()` and `block.compile()` for every Block, stages 0-3 at 2 ranks (and stage 3 alone at 1): the
     losses of 3 steps and the full state_dict after them equal eager's bit for bit, and the third step compiles
-    nothing new. Stage 3's whole model used to die inside dynamo ("parameter 'wte.weight' ... is sharded ...
-    is_conj() is not supported on it"), stage 2's whole model and blocks from the second step on ("param.grad of
-    'wte.weight' is a ShardedGrad ... _is_view() is not supported on it")."""
+    nothing new. Dynamo reads metadata a sharded parameter or gradient refuses unless let through: stage 3's whole
+    model would die inside dynamo ("parameter 'wte.weight' ... is sharded ... is_conj() is not supported on it"),
+    stage 2's whole model and blocks from the second step on ("param.grad of 'wte.weight' is a ShardedGrad ...
+    _is_view() is not supported on it")."""
     results = run_ranks(_compiled_vs_eager, world_size, stages, store_dir=str(tmp_path), timeout_s=600)
     for rank, result in enumerate(results):
         for (stage, how), (losses_equal, diff, recompiled) in result.items():

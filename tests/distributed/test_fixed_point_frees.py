@@ -4,8 +4,8 @@ fixed point]), not whenever the process group's worker thread lets go of the Wor
 One spawn of 3 gloo ranks (3: an ordered all-reduce is not the native one there: an all-to-all, a
 sum, an all-gather; core/ordered.py [Note: ordered reduction]). Each case captures the temporary as the
 collective is issued and checks, right after the wait, that its storage is 0 bytes while the result
-is right. On the old code each check fails deterministically: the captured tensor kept its bytes
-until its last reference went. The same spawn checks where the ordered all-reduce's all-gather
+is right. Freed only when its last reference goes, the captured tensor would keep its bytes and each
+check fail deterministically. The same spawn checks where the ordered all-reduce's all-gather
 halves go in a rank's sequence of collectives: after the step's last all-to-all, together.
 """
 import time
@@ -306,16 +306,16 @@ def test_temporaries_are_freed_when_their_collective_completes(results):
 def test_a_completed_collective_holds_none_of_the_callers_bytes(results):
     """Stages 2 and 3 drop a full-size gradient once its reduce-scatter has completed; its bytes go then, on
     this thread, not when gloo's worker lets go of the Work (a clean-clone CI run once counted stage 3's root
-    gradient alive at the step boundary). On the old code 11 of the 16 cases failed here (2 or 3 references
-    left): the Work kept the input (the others: gloo's native reduce-scatter keeps no reference to it, or the
-    worker had let go by then)."""
+    gradient alive at the step boundary). Left to the Work, 11 of the 16 cases fail here (2 or 3 references
+    left: the Work keeps the input; in the others gloo's native reduce-scatter keeps no reference to it, or the
+    worker has let go by then)."""
     assert_callers_buffers_freed(results)
 
 
 def test_a_completed_reduce_scatter_frees_its_buffer_before_the_next_is_issued(results):
     """core/comm.py [Note: finishing what has arrived]: with every earlier reduce-scatter completed, none of
-    their receive buffers is alive when the next is issued, at stages 1-3 (stage 1 used to keep them all to the
-    end of backward; the old code fails here); the parameters after the step are bitwise those of a run where
+    their receive buffers is alive when the next is issued, at stages 1-3 (finished only at the end of backward,
+    they would all be alive: this fails); the parameters after the step are bitwise those of a run where
     the finishes happen whenever they happen."""
     for rank, out in enumerate(results):
         assert sorted(out["arrived"]) == [1, 2, 3]
@@ -326,7 +326,7 @@ def test_a_completed_reduce_scatter_frees_its_buffer_before_the_next_is_issued(r
 
 def test_stages_1_and_2_gather_their_updated_shards_in_place(results):
     """The post-step all-gather's inputs are this rank's own rows of the flat buffers (no clone to free), and
-    every rank ends the step with the same parameters. On the old code each input was a clone."""
+    every rank ends the step with the same parameters. A cloned input fails it."""
     for rank, out in enumerate(results):
         assert sorted(out["in_place"]) == [1, 2]
         for stage, (same_params, own_rows) in out["in_place"].items():
@@ -377,7 +377,7 @@ def test_several_gathers_go_packed_with_one_staging_buffer_per_dtype(results):
 def test_gathers_on_gloo_allocate_no_temporary(results):
     """An all-gather that is not coalesced goes out as broadcasts into the output's rows: no buffer of
     gloo's own (the output's size) while it runs, none from torch's wrapper; right rows at every dtype,
-    in place or not. On the old code each case saw two allocations of the output's size."""
+    in place or not. A gather that allocates a buffer of the output's size fails each case."""
     for rank, out in enumerate(results):
         for case, (right, allocated) in out["gathers"].items():
             assert right, (rank, case)

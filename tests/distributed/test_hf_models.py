@@ -12,7 +12,7 @@ The reference is torch's DistributedDataParallel with `torch.optim.AdamW` on the
 batches, 2 ranks, dropout off (so that no random numbers are drawn): every stage's losses and
 weights equal it bit for bit (at 2 ranks a sum of two gradients has one order). At stage 3
 `save_pretrained()` outside `summon_full_params()` is refused with an error that names it
-(it used to crash the process: core/unit.py [Note: a sharded parameter refuses reads]); inside,
+(a read of its values would crash the process: core/unit.py [Note: a sharded parameter refuses reads]); inside,
 every stage writes a checkpoint that `from_pretrained()` loads back equal to
 `engine.state_dict(full=True)`. One spawn runs every case.
 """
@@ -230,7 +230,7 @@ def test_a_hf_models_outputs_ties_counts_and_generate_survive_wrapping(results, 
 
 @pytest.mark.parametrize("kind", ["gpt2", "lora"])
 def test_save_pretrained_is_refused_at_stage3_outside_summon_and_round_trips_inside(results, kind):
-    """Stage 3 outside summon_full_params: a RuntimeError naming it (it used to crash the process); stages 0-2
+    """Stage 3 outside summon_full_params: a RuntimeError naming it (a read would crash the process); stages 0-2
     save there. Inside it, every stage's checkpoint loads with from_pretrained (PEFT: the adapter onto a fresh
     base) equal to engine.state_dict(full=True)."""
     from peft import PeftModel

@@ -230,7 +230,7 @@ def _attempt(fn) -> str | None:
 def _sharded_reads(rank, world_size, precision):
     """What user code may do with a stage-3 parameter outside forward and backward, and what it is refused.
 
-    Every refusal must be an exception (a read of a sharded parameter's 0-byte storage used to
+    Every refusal must be an exception (a read of a sharded parameter's 0-byte storage would
     crash the process) naming the parameter and `summon_full_params`; metadata, `.grad`,
     clipping, counting and a torch optimizer's `zero_grad()` keep working; inside forward and
     inside summon_full_params the parameters read as usual.
@@ -462,9 +462,9 @@ def test_summon_writes_reach_the_masters_at_every_stage(results, precision):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_stage3_parameter_outside_forward_refuses_reads_naming_summon_instead_of_crashing(results, precision):
-    """Outside forward and backward a stage-3 parameter's storage is 0 bytes; reading it used to crash the
+    """Outside forward and backward a stage-3 parameter's storage is 0 bytes; reading it would crash the
     process (`p.sum()`: a segmentation fault). Every read or write of its values, and the torch calls that
-    make them (`model.state_dict()`, `torch.save`, `load_state_dict`, `copy.deepcopy`), is now a RuntimeError
+    make them (`model.state_dict()`, `torch.save`, `load_state_dict`, `copy.deepcopy`), is a RuntimeError
     naming the parameter and `summon_full_params`; between forward and backward so is a freed unit's, while
     the root, gathered for backward, reads normally."""
     _, per_rank = results

@@ -405,8 +405,8 @@ def _flipped_cases(rank, world_size):
 
 
 def test_a_parameter_frozen_or_unfrozen_after_zk_shard_is_refused_at_the_next_use():
-    """Unfreezing after zk.shard used to leave the parameter untrained without a word (it had no gradient
-    storage, hook or optimizer state); freezing kept stepping it. Both are refused at the next forward, naming
+    """Unfreezing after zk.shard would leave the parameter untrained without a word (it has no gradient
+    storage, hook or optimizer state); freezing would keep stepping it. Both are refused at the next forward, naming
     the parameter and the fix, at every stage."""
     results = run_ranks(_flipped_cases, 2, timeout_s=120, collective_timeout_s=30)
     for r in results:

@@ -1,9 +1,9 @@
 """Stage 3 with a unit that runs on some ranks only (core/recorder.py [Note: rank-dependent units]).
 
 DDP handles rank-dependent control flow with find_unused_parameters=True, and stages 0-2 match it; at
-stage 3 the ranks' collectives no longer pair up. Before, rank 1 died by SIGABRT (gloo's size
-check) and rank 0 read "Connection reset by peer"; with units of equal sizes the gathers paired
-silently and the ranks trained on each other's parameters. Now every rank raises a sentence, in
+stage 3 the ranks' collectives no longer pair up. Unchecked, rank 1 would die by SIGABRT (gloo's size
+check) and rank 0 read "Connection reset by peer"; with units of equal sizes the gathers would pair
+silently and the ranks train on each other's parameters. Every rank raises a sentence instead, in
 seconds: at the first step (every collective checked until then), and at a later step's agreement,
 before the optimizer updates anything. One spawn at 2 ranks; each case runs in a process group of
 its own (a short timeout), so one case's leftovers cannot reach the next.

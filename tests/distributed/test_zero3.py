@@ -436,7 +436,7 @@ class SometimesOddModel(OddModel):
 
 
 def test_zero_grad_frees_the_grad_shards_until_backward_reduces_into_them():
-    """[Note: grad shards] in zerokit/stages/zero3.py: zero_grad frees every grad shard and `.grad` is None,
+    """[Note: grad shards] in zerokit/core/grad_reduce.py: zero_grad frees every grad shard and `.grad` is None,
     as after torch FSDP's zero_grad; each comes back with its unit's reduce-scatter."""
     cls, opt_kw = ADAMW
     engine = zk.shard(_model(), cls, stage=3, wrap=(OddBlock,), **opt_kw)

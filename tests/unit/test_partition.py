@@ -130,7 +130,7 @@ def test_a_bucket_spanning_the_model_does_not_hold_back_the_others():
     """With param_groups, the no-decay biases and LayerNorms of every block share one small bucket. Stages 0-2
     release buckets in index order, so that bucket must come after every bucket that completes before it:
     each bucket's collective is issued during backward, as soon as it and the ones before it are complete
-    (it used to come first, and every collective waited for the end of backward)."""
+    (first, it would make every collective wait for the end of backward)."""
     import torch
     import zerokit as zk
     from zerokit.models import build_model

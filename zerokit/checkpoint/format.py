@@ -340,7 +340,7 @@ def json_number(value):
 # the loading engine (maximize) can reverse it. So meta.json records each group entry with its type
 # (`encode_hyperparameter`) and a load restores that type (`decode_hyperparameter`); a value JSON cannot
 # hold is recorded as unstorable and refused at load, naming it, rather than dropped. Checkpoints written
-# before this stored plain numbers and lists only; they decode as before.
+# without types (plain numbers and lists only) decode them as they are.
 UNSTORABLE = "unstorable"  # meta.json's key for a hyperparameter whose value JSON cannot hold
 
 
@@ -367,7 +367,7 @@ def decode_hyperparameter(saved, current, device: torch.device | None = None):
     of the group's `current` value when that is a tensor, else on the CPU where it was saved there (torch keeps
     a plain tensor lr on the CPU) and on `device` (the group's parameters') where it was on an accelerator
     (capturable / fused steps); a list as a tuple unless `current` is a list (torch's betas are tuples). Older
-    checkpoints, which stored plain numbers and lists of numbers only, decode as they always did."""
+    checkpoints, which stored plain numbers and lists of numbers only, decode to those numbers and lists."""
     if isinstance(saved, dict):
         where = (current.device if torch.is_tensor(current)
                  else device if saved.get("device", "cpu") != "cpu" and device is not None else "cpu")

@@ -31,22 +31,23 @@ def default_bucket_numel(trainable_numel: int, stage: int = 2, world_size: int =
     """`zk.shard`'s bucket size when none is given: Ψ_t / 8 at stage 0 (and at stage 1 on one rank), Ψ_t at
     stage 1, Ψ_t / 32 at stages 2-3, within [32 Ki, 4 Mi] elements.
 
-    [Note: default bucket size] A fixed size is wrong at both ends, and the stages want different
-    sizes. Stage 2 holds up to (max_in_flight + 2) buckets of full-size gradients inside backward,
-    where FSDP holds about one unit's: a thirty-second of the model keeps its peak at or below
-    FSDP1's at every size measured (a sixteenth did not at every size). Stages 0 and 1 keep the
-    full gradient anyway; what a bucket costs them is the optimizer's temporaries and, at 3+ ranks,
-    the ordered reduction's receive buffer (one bucket). Stage 0 updates whole buckets, and torch's
-    per-tensor AdamW makes two temporaries the size of the flat shard it updates, where DDP's foreach
-    AdamW makes one the size of the model: an eighth keeps stage 0 at or below DDP's peak, a whole
-    model bucket does not (1.20x). Stage 1 updates 1/N of a bucket: one bucket of up to 4 Mi stayed
-    at or below ZeroRedundancyOptimizer's peak at 2 and 4 ranks (at one rank it updates whole buckets,
-    as stage 0, and takes stage 0's size). And every bucket is a collective: at 4 ranks on 2
-    cores stages 0-1 with Ψ/32 buckets took 1.4-2.6x their peer's step time on 0.8M-4.2M models.
-    The cap keeps large models' buckets near the size DDP uses, the floor keeps small models from
-    paying a collective per few thousand elements. The trade-off, bucket size against peak and
-    step time, is measured by benchmarks/scaling.py --buckets (benchmarks/results/scaling_buckets.md,
-    scaling_buckets_n4.md). Stage 3's flat params are its units; the bucket size does not apply.
+    [Note: default bucket size]
+    A fixed size is wrong at both ends, and the stages want different sizes. Stage 2 holds up to
+    (max_in_flight + 2) buckets of full-size gradients inside backward, where FSDP holds about one
+    unit's: a thirty-second of the model keeps its peak at or below FSDP1's at every size measured.
+    Stages 0 and 1 keep the full gradient anyway; what a bucket costs them is the optimizer's
+    temporaries and, at 3+ ranks, the ordered reduction's receive buffer (one bucket). Stage 0
+    updates whole buckets, and torch's per-tensor AdamW makes two temporaries the size of the flat
+    shard it updates, where DDP's foreach AdamW makes one the size of the model: an eighth keeps
+    stage 0 at or below DDP's peak, a whole-model bucket does not. Stage 1 updates 1/N of a bucket:
+    one bucket of up to 4 Mi stays at or below ZeroRedundancyOptimizer's peak (at one rank it
+    updates whole buckets, as stage 0, and takes stage 0's size). And every bucket is a collective,
+    so many small ones cost stages 0-1 step time. The cap keeps large models' buckets near the size
+    DDP uses, the floor keeps small models from paying a collective per few thousand elements. The
+    trade-off, bucket size against peak and step time, is measured by benchmarks/scaling.py
+    --buckets; docs/scaling.md ("The default bucket size") gives the figures, from
+    benchmarks/results/scaling_buckets.md and scaling_buckets_n4.md. Stage 3's flat params are its
+    units; the bucket size does not apply.
     """
     per_model = BUCKETS_PER_MODEL[0 if stage == 1 and world_size == 1 else stage]
     return max(MIN_BUCKET_NUMEL, min(DEFAULT_BUCKET_NUMEL, -(-trainable_numel // per_model)))

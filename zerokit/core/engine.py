@@ -405,7 +405,8 @@ class Engine(GradPath, UserGrads):
         """Every stage's `zero_grad` starts here: a pass that raised is discarded, the clip coefficient and
         the tree's partial sums are forgotten."""
         self.discard_unfinished_pass(forward_cut_short)  # [Note: recovery after an exception]
-        self.tracker.engine_backward = False  # a scaled backward that raised: GradScaler [Note: which backward ...]
+        # a scaled backward that raised: core/precision.py [Note: which backward `scale` marks]
+        self.tracker.engine_backward = False
         self.clip_coef = None
         self.clear_partials()
 
@@ -452,10 +453,6 @@ class Engine(GradPath, UserGrads):
         self.comm.all_gather_many([self.flat_data[fp.index] for fp in self.trainable],
                                   [fp.shard_of(self.flat_data[fp.index]) for fp in self.trainable], phase="step",
                                   labels=[f"updated params of {fp.label}" for fp in self.trainable]).wait()
-
-    def zero_grad(self) -> None:
-        """5. Clear every gradient (and a clip coefficient not yet used), ready for the next backward."""
-        raise NotImplementedError
 
     def state_dict(self, full: bool = True) -> dict[str, torch.Tensor]:
         """6. The unwrapped model's state_dict (same keys, same order), fp32 master values where they exist.

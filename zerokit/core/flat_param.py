@@ -217,7 +217,8 @@ class FlatParamLayout:
         """Put grads[j] in params[j].grad and remember it: see core/user_grads.py [Note: param.grad belongs to
         the user]."""
         self._grad_views = None  # use_as_grad_storage keeps its views only while they are what is shown
-        with _no_subclass_dispatch():  # stage 3's sharded parameters: core/unit.py [Note: a sharded ...]
+        # stage 3's sharded parameters: core/unit.py [Note: a sharded parameter refuses reads]
+        with _no_subclass_dispatch():
             for g, p in zip(grads, self.params):
                 if p.grad is not g:  # assigning checks shape, dtype and device: skip what is already shown
                     p.grad = g

@@ -49,9 +49,10 @@ GLOO_COALESCE_NUMEL = 1 << 20  # the most output elements one packed gloo gather
 GLOO_PACK_BELOW = 1 << 15  # outputs this size or larger are gathered in their own rows, never packed
 
 
-# [Note: the tensor collectives' names] torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor
-# to all_gather_single / reduce_scatter_single (the old names warn there); earlier torch has only the old
-# ones. Looked up at each call, so a test that wraps torch's function sees zerokit's calls.
+# [Note: the tensor collectives' names]
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single /
+# reduce_scatter_single (the old names warn there); earlier torch has only the old ones. Looked up at
+# each call, so a test that wraps torch's function sees zerokit's calls.
 def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """`dist.all_gather_single`, under whichever name this torch has it."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

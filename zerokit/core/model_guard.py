@@ -34,9 +34,9 @@ option. `state_dict()` issues no collective: after a training forward the buffer
 equal rank 0's.
 
 [Note: agreement before training]
-Different models on different ranks used to be caught only for parameters; an extra buffer
-on one rank hung the initial broadcast until the process-group timeout and a buffer of a
-different size was partly copied. The signature of every parameter and buffer (names, shapes,
+Different models on different ranks must be caught for buffers as well as parameters: an
+extra buffer on one rank would hang the initial broadcast until the process-group timeout and a
+buffer of a different size would be partly copied. The signature of every parameter and buffer (names, shapes,
 dtypes, requires_grad) and each rank's local problems are hashed into one int64; one
 all-reduce of (digest, -digest, problems) tells every rank whether all agree. Only then are
 tensors broadcast; afterwards a checksum of every tensor's bits is compared the same way, so

@@ -29,7 +29,7 @@ Under precision="fp32" the dtype a model's parameters come in is kept when it is
 sees the parameters and builds a policy whose param, reduce and master dtypes are all float64, so the
 flat buffers, gradients, reductions and optimizer states are float64, as under torch DDP with the same
 optimizer on the same model (bitwise: tests/distributed/test_dtypes_and_layouts.py). Parameters below
-fp32 (bf16, fp16) under "fp32" are upcast to fp32, as before. Refused, each naming the fix, because each
+fp32 (bf16, fp16) under "fp32" are upcast to fp32. Refused, each naming the fix, because each
 would silently round what the user asked to keep in float64: a model mixing float64 and other floating
 parameters (cast it to one dtype: `model.double()` or `model.float()`), a `reduce_dtype` other than
 float64 for a float64 model, and precision="bf16"/"fp16" on a float64 model (mixed precision keeps fp32

@@ -20,8 +20,8 @@ included, sees the re-gathered values, and freeing really returns the bytes.
 [Note: a sharded parameter refuses reads]
 While its unit is sharded a parameter keeps its shape, dtype and device over a storage of 0
 bytes ([Note: storage, not .data]), and torch's kernels do not check a tensor's bytes against
-its shape: `p.sum()` there read freed memory and crashed the process (a segmentation fault),
-and `print(p)`, `p.norm()` or `torch.save(model.state_dict())` outside forward did the same.
+its shape: `p.sum()` there would read freed memory and crash the process (a segmentation
+fault), and so would `print(p)`, `p.norm()` or `torch.save(model.state_dict())` outside forward.
 So while its unit is not gathered each parameter's Python class is switched to a subclass of
 its own class (`sharded_class`: `isinstance(p, nn.Parameter)` still holds) whose
 `__torch_function__` lets metadata through (shape, dtype, device, numel, requires_grad,

@@ -120,7 +120,7 @@ class Zero1Engine(Checkpointing, Engine):
     def reduce_grads(self, state: FlatParamState) -> None:
         """A bucket's gradients are all accumulated: reduce-scatter it now, while backward goes on (buckets are
         released in bucket order: the same collective sequence on every rank). The rank-average of this
-        rank's range overwrites that range (the grad shard): core/engine.py `reduce_scatter_grad`."""
+        rank's range overwrites that range (the grad shard): core/grad_reduce.py `reduce_scatter_grad`."""
         copied = self.reduce_scatter_grad(state).copied
         # The CPU waits for the oldest: at most two reduce-dtype copies alive, and at most `max_in_flight` receive
         # buffers (half a bucket each at N = 2, a bucket at 3+: core/ordered.py), which would otherwise pile up

@@ -118,7 +118,7 @@ class Zero2Engine(Checkpointing, Engine):
     # 2. gradient hook ---------------------------------------------------------------
     def reduce_grads(self, state: FlatParamState) -> None:
         """A bucket's gradients are all accumulated: reduce-scatter now (into the grad shard, added to what an
-        earlier backward left there), free the full buffer when done: core/engine.py `reduce_scatter_grad`."""
+        earlier backward left there), free the full buffer when done: core/grad_reduce.py `reduce_scatter_grad`."""
         self.reduce_scatter_grad(state)
         # The CPU waits here for the oldest buckets, which bounds the full-size gradient
         # memory alive at once (module docstring) at the price of less overlap.

@@ -67,8 +67,8 @@ A unit has one flat param per dtype / requires_grad / optimizer option set, so a
 its weights (decay) and its biases and norms (no decay). The weights' gradients are complete before
 the block's first LayerNorm has run its backward; reduced then, the weights' full gradient and the
 reduce-scatter's receive buffer (N rows of a shard: the gradient's size again; gloo's native
-reduce-scatter clones its input instead) sat beside the rest of the block's backward, its activations
-and gathered parameters. So, as FSDP2's post-backward does for its parameter group, a unit's
+reduce-scatter clones its input instead) would sit beside the rest of the block's backward, its
+activations and gathered parameters. So, as FSDP2's post-backward does for its parameter group, a unit's
 complete gradients wait until its backward is over (every trainable gradient complete, and its
 inputs' gradient computed: core/unit.py [Note: gather again in backward]); then the unit is freed
 and only then are its gradients packed and reduce-scattered, one after the other. The root, whole
@@ -78,8 +78,8 @@ How long they stay in flight depends on the device. On CUDA the collectives run 
 the CPU goes on to the next unit's backward, waiting for the unit before only when the next one is
 reduced: communication hides behind computation, for one unit's full gradients and receive buffers.
 On CPU the stage waits for them at once, as torch's FSDP1 does on CPU (a blocking reduce-scatter in
-its post-backward hook): a gloo collective competes with computation for the same cores, and the
-overlap held a unit's gradient twice over beside the next unit's backward. The peaks before and after,
+its post-backward hook): a gloo collective competes with computation for the same cores, and an
+overlap would hold a unit's gradient twice over beside the next unit's backward. The measured peaks,
 beside FSDP1's: benchmarks/results/where_peak_stage3_unit_end.md and docs/scaling.md.
 """
 from __future__ import annotations
@@ -235,7 +235,7 @@ class Zero3Engine(Checkpointing, Engine):
 
     def reduce_grads(self, state: FlatParamState) -> None:
         """Reduce-scatter now (into the grad shard, allocated if zero_grad freed it: core/grad_reduce.py [Note: grad
-        shards]), free the full buffer when done: core/engine.py `reduce_scatter_grad`."""
+        shards]), free the full buffer when done: core/grad_reduce.py `reduce_scatter_grad`."""
         self.reduce_scatter_grad(state)
 
     # 3. finish backward ---------------------------------------------------------------
