@@ -151,3 +151,17 @@ def test_scheduler_resume_is_bitwise(results, stage, how):
 def test_another_ranks_optimizer_state_is_refused(results):
     for result in results:
         assert "each rank loads its own" in result["wrong rank"], result["wrong rank"]
+
+
+def test_torchs_grad_scaler_on_engine_optimizer_is_refused_naming_engine_scaler():
+    """torch.amp.GradScaler would unscale `.grad`s the optimizer does not step (this rank's master shards
+    have none): refused by name, before any step, whatever its scale."""
+    engine = _engine(1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    x, y = odd_batch(0, 4)
+    before = engine.state_dict(full=True)
+    scaler.scale(engine(x, y)).backward()
+    with pytest.warns(FutureWarning), pytest.raises(TypeError, match="engine.scaler.scale"):
+        scaler.step(engine.optimizer)
+    after = engine.state_dict(full=True)
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -138,8 +138,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's state: keyed by this rank's master shards."""
         return self.optimizer.state
 
-    def step(self, closure=None):
+    # torch.amp.GradScaler hands an optimizer that says so the scaler itself (`step(grad_scaler=)`) instead of
+    # unscaling and inf-checking its `.grad`s: here, so that it is refused by name rather than failing inside
+    # torch ("No inf checks were recorded") or, with a scale and no fp16, stepping scaled gradients.
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None, grad_scaler=None):
         """`engine.step()`, for code holding the optimizer (a training loop, an LR scheduler's wrapper)."""
+        if grad_scaler is not None:
+            raise TypeError(
+                "torch.amp.GradScaler cannot drive engine.optimizer: zerokit reduces and shards the gradients and "
+                "keeps the loss scale itself. Use engine.scaler, which has GradScaler's methods: "
+                "engine.scaler.scale(loss).backward(), engine.scaler.step(engine.optimizer), "
+                "engine.scaler.update() (fp16: zk.shard(..., precision='fp16'); under fp32/bf16 it passes the loss "
+                "through unscaled)")
         loss = None
         if closure is not None:
             with torch.enable_grad():
