@@ -147,9 +147,8 @@ def train_loop(rank: int, world_size: int, cfg: dict) -> dict:
     try:
         engine.stop_requested()  # the first call installs the stop handlers (core/preemption.py)
         if rank == 0 and not cfg["no_progress"]:
-            from tqdm import tqdm
-            bar = tqdm(total=cfg["steps"], initial=first_step, unit="step",
-                       desc=f"stage {cfg['stage']} x{world_size} {cfg['precision']}")
+            from zerokit.commands.progress import progress  # a bar on a terminal, plain lines in a log
+            bar = progress(cfg["steps"], first_step, f"stage {cfg['stage']} x{world_size} {cfg['precision']}")
         start = time.perf_counter()
         for step in range(first_step, cfg["steps"]):
             micro_batches = [(micro_index(cfg, step, micro, rank, world_size),
