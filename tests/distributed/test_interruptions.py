@@ -154,7 +154,7 @@ def _example_in_process(directory, capsys) -> str:
 
 
 def test_the_readme_loop_saves_on_sigterm_and_its_rerun_ends_as_the_run_never_stopped(tmp_path, capsys):
-    """examples/resumable_loop.py (the README's loop): SIGTERM during step 15's optimizer step makes it save
+    """examples/resumable_loop.py (the loop the README points to): SIGTERM during step 15's optimizer step makes it save
     step 15 and exit 75; the same command again resumes there and ends with the uninterrupted run's weights."""
     expected = _example_in_process(tmp_path / "straight", capsys)
     done = subprocess.run([sys.executable, INTERRUPT_AT, EXAMPLE, str(tmp_path / "ck")], cwd=REPO, timeout=240,

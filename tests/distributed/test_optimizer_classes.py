@@ -19,6 +19,7 @@ from zerokit.optim.whole_params import is_elementwise, step_cost
 
 from common import OddBlock, _build_ddp, odd_batch, odd_model, params_of
 from shaped_optimizers import LambLike, MuonLike  # examples/shaped_optimizers.py
+from transformers.optimization import Adafactor as HFAdafactor
 from test_dtypes_and_layouts import conv_batch, conv_model
 
 STEPS = 4
@@ -51,6 +52,7 @@ OPTIMIZERS = {
     "SGD nesterov": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9, nesterov=True)),
     "Adam amsgrad": (torch.optim.Adam, dict(lr=1e-2, amsgrad=True)),
     "Adafactor": (torch.optim.Adafactor, dict(lr=1e-2)),
+    "HF Adafactor": (HFAdafactor, dict(lr=1e-2, scale_parameter=False, relative_step=False, warmup_init=False)),
     "MuonLike": (MuonLike, dict(lr=2e-2)),
     "LambLike": (LambLike, dict(lr=1e-2)),
     "LionLike": (LionLike, dict(lr=1e-3)),
@@ -100,7 +102,7 @@ def _cases(rank, world_size, directory):
         for stage in (0, 1, 2, 3):
             got = _conv(name, stage, rank, world_size)
             out[name, "channels_last", stage] = all(torch.equal(got[k], v) for k, v in ref.items())
-    for name in ("Adafactor", "LambLike"):
+    for name in ("Adafactor", "LambLike", "HF Adafactor"):  # HF's counts its steps in a Python int
         for saved, loaded in ((1, 3), (3, 0), (2, 2)):
             out[name, "resume", saved, loaded] = _resumed(name, saved, loaded, rank, world_size,
                                                           f"{directory}/{name}-{saved}-{loaded}")
@@ -162,7 +164,7 @@ def results(tmp_path_factory):
 def test_the_path_is_decided_by_class():
     for cls in (torch.optim.SGD, torch.optim.AdamW, torch.optim.Adam, DeclaredLion):
         assert is_elementwise(cls), cls
-    for cls in (torch.optim.Adafactor, MuonLike, LambLike, LionLike):
+    for cls in (torch.optim.Adafactor, HFAdafactor, MuonLike, LambLike, LionLike):
         assert not is_elementwise(cls), cls
 
     class AdamWWithOwnStep(torch.optim.AdamW):
@@ -209,7 +211,7 @@ def test_whole_parameter_path_under_bf16_gives_stage0s_bits(results, name):
     assert all(result[name, "bf16"] for result in results)
 
 
-@pytest.mark.parametrize("name", ["Adafactor", "LambLike"])
+@pytest.mark.parametrize("name", ["Adafactor", "LambLike", "HF Adafactor"])
 def test_whole_parameter_states_resume_bitwise_at_another_stage(results, name):
     for rank, result in enumerate(results):
         for saved, loaded in ((1, 3), (3, 0), (2, 2)):

@@ -192,6 +192,8 @@ def _write_rank_file(engine, directory: str, kinds: dict[str, str], names_of: di
         name = names_of.get(fp.names[own.index][0], fp.names[own.index][0])
         for key, value in engine.optimizer.optimizer.state.get(own.tensor, {}).items():
             kind = kinds[key]
+            if kind in ("int", "float"):  # a Python number: format.py `state_kinds`
+                value = torch.tensor(value, dtype=torch.int64 if kind == "int" else torch.float64)
             tensors[piece_key(f"state.{key}", name, 0, own.numel)] = (  # elementwise: in the master's order
                 fp.to_storage_order(own.index, value.detach().reshape(-1)) if kind == "elementwise"
                 else value.detach())

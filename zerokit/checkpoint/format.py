@@ -267,17 +267,22 @@ def state_kinds(engine) -> dict[str, str]:
 
     On the whole-parameter path (optim/whole_params.py) a state is "elementwise" when shaped like its
     parameter, "scalar" when 0-dim, and "whole" otherwise (Adafactor's row and column statistics): saved
-    whole by the parameter's owner, read whole by its owner at the loading world size. This rank's view: a
+    whole by the parameter's owner, read whole by its owner at the loading world size; a Python number is
+    "int" or "float" (saved as a 0-dim int64 / float64 tensor, restored as the number). This rank's view: a
     rank that owns nothing knows no key, so the save merges every rank's (`merge_kinds`)."""
     kinds: dict[str, str] = {}
     if engine.optimizer.whole is not None:
         for own in engine.optimizer.owned():
             for key, value in engine.optimizer.optimizer.state.get(own.tensor, {}).items():
-                if not torch.is_tensor(value):
-                    raise ValueError(f"optimizer state {key!r} of {engine.optimizer.name} is not a tensor "
-                                     f"({type(value).__name__}): a sharded checkpoint holds tensors")
-                kind = ("scalar" if value.dim() == 0 else "elementwise" if value.shape == own.tensor.shape
-                        else "whole")
+                if type(value) in (int, float):  # Hugging Face's Adafactor counts its steps in a Python int
+                    kind = type(value).__name__
+                elif not torch.is_tensor(value):
+                    raise ValueError(f"optimizer state {key!r} of {engine.optimizer.name} is a "
+                                     f"{type(value).__name__}: a sharded checkpoint holds tensors and Python "
+                                     "ints and floats")
+                else:
+                    kind = ("scalar" if value.dim() == 0 else "elementwise" if value.shape == own.tensor.shape
+                            else "whole")
                 if kinds.setdefault(key, kind) != kind:
                     raise ValueError(f"optimizer state {key!r} of {engine.optimizer.name} is {kind} for some "
                                      f"parameters and {kinds[key]} for others: a sharded checkpoint cannot hold it")

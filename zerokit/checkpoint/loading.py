@@ -403,6 +403,8 @@ def _read_owned_states(engine, kinds: dict[str, str], index: dict, files, paths,
                 _s, _e, r, piece = pieces[0]
                 used.add(r)
                 states[key] = files[r].get_tensor(piece)
+                if kind in ("int", "float"):  # a Python number (format.py `state_kinds`)
+                    states[key] = int(states[key].item()) if kind == "int" else float(states[key].item())
         out.append(states)
     return out
 
@@ -506,7 +508,7 @@ def _install(engine, plan: _Plan) -> None:
                 for key, t in states.items()})
         for own, states in zip(optimizer.owned(), plan.owned_states):  # the whole-parameter path's
             optimizer.optimizer.state[own.tensor] = {
-                key: (t.to(own.tensor.device, own.tensor.dtype) if t.dim() > 0
+                key: t if not torch.is_tensor(t) else (t.to(own.tensor.device, own.tensor.dtype) if t.dim() > 0
                       else t.to(own.tensor.device) if fused[id(own.tensor)] else t.clone())
                 for key, t in states.items()}
     if engine.loss_scaler is not None and plan.meta.get("loss_scaler") is not None:
