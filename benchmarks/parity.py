@@ -37,8 +37,8 @@ from zerokit.launch import run_ranks  # noqa: E402
 from zerokit.provenance import command_line, provenance, provenance_lines, write_pair  # noqa: E402
 
 STAGES = (0, 1, 2, 3)
-TABLE_OPTIMIZERS = ("AdamW", "SGD nesterov", "Adam amsgrad", "Adafactor", "HF Adafactor", "MuonLike", "LambLike", "LionLike",
-                    "DeclaredLion")
+TABLE_OPTIMIZERS = ("AdamW", "SGD nesterov", "Adam amsgrad", "Adafactor", "HF Adafactor", "MuonLike", "LambLike",
+                    "LionLike", "DeclaredLion")
 
 
 class WholeAdamW(torch.optim.AdamW):

@@ -120,7 +120,8 @@ def test_explain_counts_what_a_whole_parameter_optimizer_adds(stage):
     the same count against the bytes a run moves), and the most elements one rank steps."""
     report = layout_report("tiny", 4, stage)
     whole = report["whole_parameter_step"]
-    crossing = [f for f in report["flat_params"] if f["requires_grad"] and any(len(p["pieces"]) > 1 for p in f["params"])]
+    crossing = [f for f in report["flat_params"]
+                if f["requires_grad"] and any(len(p["pieces"]) > 1 for p in f["params"])]
     if stage == 0:
         assert whole["buffers_gathered"] == 0 and whole["all_gather_bytes"] == 0 and whole["broadcast_bytes"] == 0
     else:
