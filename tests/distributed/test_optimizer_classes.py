@@ -97,6 +97,8 @@ def _cases(rank, world_size, directory):
     for name in ("Adafactor", "MuonLike"):  # mixed precision: every stage takes stage 0's bits
         runs = [_zerokit(name, stage, rank, world_size, "bf16")[0] for stage in (0, 1, 2, 3)]
         out[name, "bf16"] = all(torch.equal(run[k], runs[0][k]) for run in runs[1:] for k in runs[0])
+    for stage in (0, 1, 3):  # per-parameter hyperparameters (no decay below 2-D), as torch param groups
+        out["groups", stage] = _groups(stage, rank, world_size)
     for name in ("Adafactor", "MuonLike"):  # channels_last conv weights: stepped with the module's strides
         ref = _conv(name, None, rank, world_size)
         for stage in (0, 1, 2, 3):
@@ -107,6 +109,23 @@ def _cases(rank, world_size, directory):
             out[name, "resume", saved, loaded] = _resumed(name, saved, loaded, rank, world_size,
                                                           f"{directory}/{name}-{saved}-{loaded}")
     return out
+
+
+def _groups(stage, rank, world_size):
+    """LambLike with weight decay 0.1 on matrices and 0 below 2-D: zk.shard's param_groups= against DDP with
+    the same two torch param groups."""
+    from zerokit.bench import decay_groups, no_decay
+
+    model = odd_model(0)
+    reference = odd_model(0)
+    ddp = _build_ddp(reference)
+    _train(ddp, LambLike(decay_groups(reference.named_parameters()), lr=1e-2, weight_decay=0.1), rank,
+           world_size)
+    engine = zk.shard(model, LambLike, stage=stage, wrap=(OddBlock,), param_groups=no_decay, lr=1e-2,
+                      weight_decay=0.1)
+    _train(engine, engine.optimizer, rank, world_size)
+    got, want = engine.state_dict(full=True), params_of(reference)
+    return all(torch.equal(got[k], v) for k, v in want.items())
 
 
 def _conv(name, stage, rank, world_size):
@@ -246,3 +265,8 @@ def test_whole_parameter_path_under_hybrid_sharding_equals_ddp_bitwise(tmp_path)
 def test_whole_parameters_keep_channels_last_and_equal_ddp_bitwise(results, name):
     for rank, result in enumerate(results):
         assert all(result[name, "channels_last", stage] for stage in (0, 1, 2, 3)), rank
+
+
+def test_param_groups_on_the_whole_parameter_path_equal_ddps_groups(results):
+    for rank, result in enumerate(results):
+        assert all(result["groups", stage] for stage in (0, 1, 3)), rank
