@@ -1,68 +1,31 @@
 """Stage 1 (ZeRO-1): shard the optimizer states. Parameters and gradients stay whole.
 
-Every rank still holds the whole model and, through backward, the whole gradient, but
-for the update each flat buffer is cut into N shards and rank r updates only shard r:
-the optimizer states (Adam's two moments; under mixed precision also the fp32 master
-weights) exist only for that shard, 1/N of them per rank. An all-reduce is a
-reduce-scatter followed by an all-gather; stage 1 simply puts the optimizer step in
-between the two halves.
+Every rank still holds the whole model and, through backward, the whole gradient, but for the
+update each flat buffer is cut into N shards and rank r updates only shard r: the optimizer states
+(Adam's two moments; under mixed precision also the fp32 master weights) exist only for that shard,
+1/N of them per rank. An all-reduce is a reduce-scatter followed by an all-gather; stage 1 puts the
+optimizer step in between the two halves.
 
-What happens, per step (differences from stage 0 marked *):
-  * construction: rank 0's parameters (frozen ones too) and buffers are broadcast; the
-    parameters become views into flat buckets, their `.grad`s views into flat gradient
-    buckets; *a bucket closes once it holds `bucket_numel` elements, torch DDP's rule for
-    `bucket_cap_mb` (stages 0 and 2 cap a bucket at `bucket_numel`; see [Note: stage 1's
-    buckets]); *the optimizer is built over this rank's param_shard views only, and its
-    grad_shard is a view of this rank's own range of the full gradient bucket;
-  * backward: gradients accumulate in the full flat gradient buckets; *as soon as a bucket is
-    complete (in bucket order, as stage 0 all-reduces it) it is scaled by 1/N and
-    reduce-scattered in place, overlapping the rest of backward: the rank-average of this
-    rank's range overwrites that range (the grad_shard); the other ranges keep this rank's
-    local contribution, unused until zero_grad. The lecture's stage 1 reduces after backward;
-    issuing each bucket's half of the all-reduce when stage 0 would issue the whole costs no
-    memory (the buckets are whole anyway) and hides it behind backward;
-  * step: *every rank updates its own shard, then all-gathers the updated shards back
-    into the full flat buffers in place, so the module's parameters see the new values.
+Per step (differences from stage 0 marked *):
+  * construction: rank 0's parameters and buffers are broadcast; the parameters become views into
+    flat buckets, their `.grad`s views into flat gradient buckets; *buckets close once they hold
+    `bucket_numel` elements ([Note: stage 1's buckets], at the constructor); *the optimizer is built
+    over this rank's param_shard views only, and its grad_shard is a view of its own range of the
+    full gradient bucket;
+  * backward: gradients accumulate in the full buckets; *a complete bucket is scaled by 1/N and
+    reduce-scattered in place, overlapping the rest of backward: the rank-average of this rank's
+    range overwrites that range (the grad shard);
+  * step: *every rank updates its own shard, then all-gathers the shards back into the full flat
+    buffers in place, so the module's parameters see the new values.
 
-Collectives per step: one reduce-scatter of the gradients (B = Ψ·g bytes counted) and one
-all-gather of the params (B = Ψ·p bytes); with g = p that is 2B, exactly stage 0's
-all-reduce (ZeRO accounting, see core/comm.py). Gradient accumulation inside `no_sync()`
-communicates nothing, as at stage 0: the full buckets keep accumulating.
-
-[Note: stage 1's buckets]
-Stage 1 keeps every bucket's whole gradient through backward, so a bucket's size sets only how
-finely the reduce-scatters are cut, not how much memory they hold: fewer, larger collectives
-cost less latency (each is a rendezvous of every rank). Stage 0 gets that by all-reducing
-groups of buckets from one buffer (core/grad_reduce.py [Note: all-reduce groups]); stage 1 cannot: a
-reduce-scatter of two buckets laid end to end gives a rank a range of the concatenation, not
-its shard of each. So stage 1 makes the buckets themselves larger: one closes once it holds
-`bucket_numel` elements (core/bucketing.py `plan_buckets(..., close_when_full=True)`), as torch
-DDP closes its buckets, where stage 2, which frees a bucket's gradient after its reduce-scatter,
-keeps the cap as a bound. The bits are the stages' own either way (core/ordered.py [Note: ordered
-reduction] sums in rank order, whatever the buckets).
-
-Per-rank memory (Ψ parameters, N ranks, up to padding < N elements per bucket):
+Collectives per step: a reduce-scatter of the gradients (Ψ·g bytes) and an all-gather of the params
+(Ψ·p): with g = p, stage 0's all-reduce (core/comm.py). Per-rank memory (Ψ parameters, N ranks):
   fp32 + Adam:       params 4Ψ + grads 4Ψ + optimizer_states 8Ψ/N
   bf16/fp16 + Adam:  params 2Ψ + grads 2Ψ + master_params 4Ψ/N + optimizer_states 8Ψ/N = 4Ψ + 12Ψ/N
-(plus, transiently, the reduce-scatter's receive buffer; the all-gather after the step is in place).
-
-Reduce dtype (core/grad_reduce.py [Note: reduce dtype]): when it is not the param dtype
-(e.g. bf16 params, fp32 reductions), each bucket is cast into a (padded_numel,) reduce-dtype
-copy, scaled by 1/N there and reduce-scattered from it into a grad shard of its own, a
-(shard_numel,) reduce-dtype tensor (the bucket keeps this rank's local sum). A copy is
-dropped as soon as its reduce-scatter completes; the CPU waits so that at most two are alive.
-Then grads = Ψ·g + Ψ·r/N (bf16 with fp32 reductions: 2Ψ + 4Ψ/N) and the reduce-scatter
-counts Ψ·r bytes (2x).
-
-`param.grad` after a synced backward: only this rank's range of the average exists, so each
-`.grad` becomes a ShardedGrad (core/user_grads.py [Note: param.grad belongs to the user]):
-its norms are reduced over ranks (`torch.nn.utils.clip_grad_norm_(model.parameters(), c)`
-equals `engine.clip_grad_norm_(c)`), in-place scaling and zeroing reach the grad shard, any
-other use is refused. `model.zero_grad()` or an optimizer's `zero_grad()` before the next
-backward clears the bucket (core/user_grads.py `UserGrads`). Because the grad shard lives inside the
-gradient bucket, a second synced backward without clearing would mix averaged and local
-values: stage 1 refuses it with a clear error (accumulate inside `no_sync()`, which
-communicates nothing, as at stage 0).
+`param.grad` after a synced backward shows this rank's range of the average, a ShardedGrad
+(core/user_grads.py [Note: param.grad belongs to the user]); a second synced backward without clearing
+is refused (accumulate inside `no_sync()`). The reduce dtype, `.grad` and no_sync in detail:
+docs/stages.md, "Stage 1".
 """
 from __future__ import annotations
 
@@ -86,6 +49,17 @@ class Zero1Engine(Checkpointing, Engine):
                  config: ShardConfig):
         super().__init__(module, comm, policy, scaler, config)
         self.max_in_flight = config.max_in_flight  # reduce-scatters left running before a hook waits
+        # [Note: stage 1's buckets]
+        # Stage 1 keeps every bucket's whole gradient through backward, so a bucket's size sets only how
+        # finely the reduce-scatters are cut, not how much memory they hold: fewer, larger collectives
+        # cost less latency (each is a rendezvous of every rank). Stage 0 gets that by all-reducing
+        # groups of buckets from one buffer (core/grad_reduce.py [Note: all-reduce groups]); stage 1 cannot: a
+        # reduce-scatter of two buckets laid end to end gives a rank a range of the concatenation, not
+        # its shard of each. So stage 1 makes the buckets themselves larger: one closes once it holds
+        # `bucket_numel` elements (core/bucketing.py `plan_buckets(..., close_when_full=True)`), as torch
+        # DDP closes its buckets, where stage 2, which frees a bucket's gradient after its reduce-scatter,
+        # keeps the cap as a bound. The bits are the stages' own either way (core/ordered.py [Note: ordered
+        # reduction] sums in rank order, whatever the buckets).
         infos = self.guard.params  # checked to agree across ranks, rank 0's values broadcast: core/model_guard.py
         self.flat_params: list[FlatParamLayout] = build_flat_params(infos, self.world_size, self.rank,
                                                                     config.bucket_numel, close_when_full=True)

@@ -1,68 +1,30 @@
 """Stage 2 (ZeRO-2): shard the gradients too. Parameters stay whole.
 
-Stage 1 keeps every full gradient until backward ends, although after its reduce-scatter
-a rank needs only its own range. Stage 2 reduce-scatters each bucket from the gradient
-hook the moment that bucket is complete, during backward, and releases the bucket's
-full-size gradient storage as soon as that reduce-scatter has completed: only the
-grad shards persist (from the first reduce-scatter to zero_grad: core/grad_reduce.py
-[Note: grad shards]). A bucket's storage is allocated again lazily, just before autograd
-accumulates its first gradient of the next backward (a gradient pre-hook, see
+Stage 1 keeps every full gradient until backward ends, although after its reduce-scatter a rank needs
+only its own range. Stage 2 reduce-scatters each bucket from the gradient hook the moment that bucket
+is complete, during backward, and releases the bucket's full-size gradient storage as soon as that
+reduce-scatter has completed: only the grad shards persist (from the first reduce-scatter to
+zero_grad: core/grad_reduce.py [Note: grad shards]). A bucket's storage is allocated again lazily,
+just before autograd accumulates its first gradient of the next backward (a gradient pre-hook:
 core/hooks.py).
 
-What happens, per step (differences from stage 1 marked *):
-  * construction: as stage 1 (broadcast, flat buckets, an
-    optimizer over this rank's param_shard views), *but no full gradient buckets;
-  * *backward: just before a bucket's first gradient arrives, a zeroed (padded_numel,)
-    buffer is allocated and the params' `.grad`s become views into it; when the bucket is
-    complete it is scaled by 1/N and reduce-scattered asynchronously into this rank's
-    grad shard; when that completes the full buffer is dropped (`param.grad` then shows this
-    rank's part of the average, a ShardedGrad: core/user_grads.py [Note: param.grad belongs to
-    the user]; `model.zero_grad()` or `engine.zero_grad()` frees the grad shard);
-    at most `max_in_flight` (default 2) reduce-scatters are left running: the hook waits
-    for the oldest ones (a CPU wait) before backward goes on;
+Per step (differences from stage 1 marked *):
+  * construction: as stage 1 (broadcast, flat buckets, an optimizer over this rank's param_shard
+    views), *but no full gradient buckets;
+  * *backward: just before a bucket's first gradient arrives, a zeroed (padded_numel,) buffer is
+    allocated and the params' `.grad`s become views into it; complete, it is scaled by 1/N and
+    reduce-scattered asynchronously into this rank's grad shard, then dropped; at most
+    `max_in_flight` (default 2) reduce-scatters are left running (the hook waits for the oldest);
   * end of backward: wait for every bucket;
-  * step: every rank updates its own shard, then all-gathers the shards back into the full
-    flat parameter buffers, in place.
+  * step: every rank updates its own shard, then all-gathers the shards back, in place.
 
-Full-size gradient memory alive at once. Whenever a bucket's storage is allocated, at
-most `max_in_flight` reduce-scatters are still running (the hook waited for the older
-ones), so the buckets alive are those plus the ones autograd is filling. Gradients that
-arrive in reverse registration order, as they do for a sequential model (buckets are
-cut in that order, see core/bucketing.py), fill one bucket at a time, except that a
-module whose params straddle a bucket boundary may start the next bucket before the
-current one completes. The bound is therefore
-    (max_in_flight + 2) buckets' worth = (max_in_flight + 2) * bucket_numel * g bytes
-((max_in_flight + 1) when bucket boundaries fall between modules; a parameter larger
-than `bucket_numel` is a bucket of its own), independent of Ψ, plus whatever the
-autograd engine holds (the freshly computed gradient of the parameter being
-accumulated). A model that uses its parameters far out of registration order keeps more
-buckets waiting, since buckets are released strictly in bucket order (core/hooks.py).
-
-Collectives per step: one reduce-scatter of the gradients (B = Ψ·g bytes) and one
-all-gather of the params (B = Ψ·p bytes): 2B, the same as stage 0's all-reduce.
-
-Reduce dtype (core/grad_reduce.py [Note: reduce dtype]): when it is not the param dtype
-(e.g. bf16 params, fp32 reductions), the grad shards are (shard_numel,) reduce-dtype tensors
-(grads = Ψ·r/N: 4Ψ/N for fp32) and a ready bucket is cast into a (padded_numel,)
-reduce-dtype copy, scaled by 1/N there and reduce-scattered from it; the param-dtype bucket
-is released right after the cast, the copy when its reduce-scatter completes. So the
-`max_in_flight` buckets in the bound above are reduce-dtype copies (r bytes per element)
-and the reduce-scatter counts Ψ·r bytes (2x for fp32 reductions of bf16 gradients).
-
-Gradient accumulation (`no_sync()`), chosen by `accumulate=`:
-  * "reduce_scatter" (default, low memory): every micro-step reduce-scatters anyway and
-    adds its shard into the accumulating grad shard, so full-size gradient memory stays
-    at the bound above; M micro-steps cost M reduce-scatters (M·B) + one all-gather (B).
-    The sum is the same mathematically but not bitwise equal to stage 0's, which sums the
-    micro-steps locally first: each element is rounded in a different order (a few ulps).
-  * "local": inside no_sync the full buckets are kept and accumulate locally (no
-    communication, Ψ·g full-size bytes alive across micro-steps, as at stages 0 and 1);
-    the last micro-step reduce-scatters the sum and frees them: B + B per step, bitwise
-    equal to stage 0.
-
-Per-rank memory after backward (Ψ parameters, N ranks, up to padding < N per bucket):
+Full-size gradient memory stays within (max_in_flight + 2) buckets, independent of Ψ. Collectives per
+step: a reduce-scatter of the gradients (Ψ·g) and an all-gather of the params (Ψ·p): stage 0's 2B.
+`accumulate=` chooses how `no_sync()` accumulates: "reduce_scatter" (default, low memory, stage 0's
+sum up to rounding) or "local" (full buckets kept, bitwise stage 0). Per-rank memory after backward:
   fp32 + Adam:       params 4Ψ + grads 4Ψ/N + optimizer_states 8Ψ/N
   bf16/fp16 + Adam:  params 2Ψ + grads 2Ψ/N + master_params 4Ψ/N + optimizer_states 8Ψ/N = 2Ψ + 14Ψ/N
+Why the bound holds, the reduce dtype and accumulation in detail: docs/stages.md, "Stage 2 in detail".
 """
 from __future__ import annotations
 

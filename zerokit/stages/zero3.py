@@ -1,86 +1,33 @@
 """Stage 3 (ZeRO-3 / FSDP): shard the parameters too. A rank keeps 1/N of everything.
 
-Stage 2 still holds every parameter whole between steps, although a rank updates only its
-own range. Stage 3 keeps only the param shards, and gathers a group of modules' parameters
-whole just for that group's forward and backward: a *unit* (core/unit.py). That is the one
-idea this file adds to stage 2; the gradient path is stage 2's, except that a unit's gradients
-are packed and reduced once the unit's backward is over (the Notes below).
+Stage 2 still holds every parameter whole between steps, although a rank updates only its own range.
+Stage 3 keeps only the param shards, and gathers a group of modules' parameters whole just for that
+group's forward and backward: a *unit* (core/unit.py). That is the one idea this file adds to stage 2;
+the gradient path is stage 2's, except that a unit's gradients are packed and reduced once the unit's
+backward is over (the Notes at "2. gradient hook" below).
 
-The `wrap` policy splits the model into units (e.g. every GPT `Block`); the root unit holds
-every parameter no unit claims (embeddings, final norm, the tied head). Each unit's
-parameters live in padded flat params (one per dtype / requires_grad / hyperparameter group
-within the unit, never split), of which only this rank's range persists:
+`wrap=` splits the model into units (e.g. every GPT `Block`); the root unit holds every parameter no
+unit claims (embeddings, final norm, the tied head). Each unit's flat params keep only this rank's
+range: param_shard (shard_numel,), persistent, which the optimizer's master covers; grad_shard, from
+the first reduce-scatter after zero_grad (core/grad_reduce.py [Note: grad shards]); flat_data
+(padded_numel,), whose storage is 0 bytes whenever the unit is sharded (core/unit.py [Note: storage,
+not .data]).
 
-    param_shard (shard_numel,)    persistent, param dtype; the optimizer's fp32 master covers it
-    grad_shard  (shard_numel,)    reduce dtype, from the first reduce-scatter after zero_grad
-                                  until the next zero_grad (core/grad_reduce.py [Note: grad shards])
-    flat_data   (padded_numel,)   the gathered flat buffer; its storage is 0 bytes whenever the
-                                  unit is sharded (core/unit.py [Note: storage, not .data])
-
-What happens, per step (differences from stage 2 marked *):
-  * construction: as stage 2, *but the param shards are copies and the flat buffers' storage
-    is freed; the optimizer is built over the param shards;
-  * *forward: the root is gathered when the model is called; a forward pre-hook gathers each
-    unit (already in flight when `prefetch` > 0, core/prefetch.py), the unit computes, and a
-    forward hook frees it (`reshard_after_forward=True`) or keeps it for backward (False);
-  * backward: *a hook on a unit's outputs gathers it again before its backward ops run; *once the
-    unit's backward is over its parameters are freed (core/unit.py [Note: gather again in backward]),
-    then its gradients are packed and reduce-scattered into its grad shards, left in flight beside
-    the next unit's backward on CUDA ([Note: reduce once the unit's backward is over]);
+Per step (differences from stage 2 marked *):
+  * construction: as stage 2, *but the param shards are copies and the flat buffers' storage is freed;
+  * *forward: the root is gathered when the model is called; a forward pre-hook gathers each unit
+    (prefetched: core/prefetch.py), and a forward hook frees it (`reshard_after_forward=True`);
+  * backward: *a hook on a unit's outputs gathers it again (core/unit.py [Note: gather again in
+    backward]); once the unit's backward is over it is freed, then its gradients are packed and
+    reduce-scattered into its grad shards;
   * step: every rank updates its own shard. *No all-gather after it: the next forward gathers.
 
-Collectives per step, logical bytes per rank (p = param bytes/elt, g = grad bytes/elt):
-  all-gather in forward      Ψ·p        (every unit, root included)
-  all-gather in backward     Ψ·p        (every unit but the root, which stays gathered;
-                                          none for units kept with reshard_after_forward=False)
-  reduce-scatter in backward Ψ·g        (trainable parameters only)
-  total 3Ψ·g when p = g: 1.5x DDP's 2Ψ·g, minus the backward gathers kept units save.
-No_sync keeps the full gradients (stage 2's accumulate="local"); gathers stay in the param dtype.
-
-Per-rank memory (Ψ parameters, up to padding < N elements per flat param):
-  fp32 + Adam:       params 4Ψ/N + grads 4Ψ/N + optimizer_states 8Ψ/N                    = 16Ψ/N
-  bf16/fp16 + Adam:  params 2Ψ/N + grads 2Ψ/N + master_params 4Ψ/N + optimizer_states 8Ψ/N = 16Ψ/N
-  plus the working set: with reshard_after_forward=True at most root + (1 + prefetch) units of
-  parameters, and in backward autograd's gradients of the unit whose backward is running, one unit's
-  full gradients while they are reduce-scattered (on CUDA, beside the next unit's backward) and the
-  root's (a unit called twice in one forward, or recomputed under activation checkpointing,
-  core/unit.py, stays gathered longer).
-
-Every rank must run the same units in the same order: checked, core/recorder.py [Note:
-rank-dependent units]. A method that runs the model without calling it (a PEFT `generate`) is registered with
-`register_forward_method`: core/unit.py [Note: forward methods].
-
-[Note: gradients packed when complete]
-Stages 0-2 give every parameter a `.grad` view into its bucket's flat gradient before autograd's
-first accumulation. At stage 3 a unit's whole flat gradient would then be allocated early in its
-backward, while its activations are all still live and most of its gradients not yet computed
-(FSDP2 does not allocate it either). Instead `.grad` is None when autograd reaches a flat param
-(`packs_grads`, core/user_grads.py), autograd makes each parameter's gradient, and when the unit's
-backward is over (`_reduce_unit_grads`) they are added into a zeroed (padded_numel,) buffer, `.grad`
-becomes its views, and autograd's tensors go (core/unit.py `packed_grads`). Adding onto zeros is
-what autograd's accumulation into a zeroed view did, so the bits are those of stages 0-2. When a
-full gradient already exists (kept by no_sync) or user code assigned a `.grad`, autograd
-accumulates into the full gradient's views, as at stages 0-2.
-
-[Note: reduce once the unit's backward is over]
-A unit has one flat param per dtype / requires_grad / optimizer option set, so a GPT block has two:
-its weights (decay) and its biases and norms (no decay). The weights' gradients are complete before
-the block's first LayerNorm has run its backward; reduced then, the weights' full gradient and the
-reduce-scatter's receive buffer (N rows of a shard: the gradient's size again; gloo's native
-reduce-scatter clones its input instead) would sit beside the rest of the block's backward, its
-activations and gathered parameters. So, as FSDP2's post-backward does for its parameter group, a unit's
-complete gradients wait until its backward is over (every trainable gradient complete, and its
-inputs' gradient computed: core/unit.py [Note: gather again in backward]); then the unit is freed
-and only then are its gradients packed and reduce-scattered, one after the other. The root, whole
-until the end of backward, reduces each flat param as it completes.
-
-How long they stay in flight depends on the device. On CUDA the collectives run on NCCL's stream and
-the CPU goes on to the next unit's backward, waiting for the unit before only when the next one is
-reduced: communication hides behind computation, for one unit's full gradients and receive buffers.
-On CPU the stage waits for them at once, as torch's FSDP1 does on CPU (a blocking reduce-scatter in
-its post-backward hook): a gloo collective competes with computation for the same cores, and an
-overlap would hold a unit's gradient twice over beside the next unit's backward. The measured peaks,
-beside FSDP1's: benchmarks/results/where_peak_stage3_unit_end.md and docs/scaling.md.
+Collectives per step: all-gathers of Ψ·p in forward and in backward (the root stays gathered) and a
+reduce-scatter of Ψ·g: 3Ψ·g when p = g, 1.5x DDP's. Per-rank memory: 16Ψ/N (fp32 or bf16 with Adam)
+plus the working set, root + (1 + prefetch) units. Every rank must run the same units in the same
+order (core/recorder.py [Note: rank-dependent units]); a method that runs the model without calling it
+(a PEFT `generate`) is registered with `register_forward_method` (core/unit.py [Note: forward methods]).
+Collectives, memory and the device-dependent overlap in detail: docs/stages.md, "Stage 3 in detail".
 """
 from __future__ import annotations
 
@@ -217,6 +164,38 @@ class Zero3Engine(Checkpointing, Engine):
             prefetch(self.units, self.backward_order.upcoming(self.prefetch), "backward")
 
     # 2. gradient hook ---------------------------------------------------------------
+
+    # [Note: gradients packed when complete]
+    # Stages 0-2 give every parameter a `.grad` view into its bucket's flat gradient before autograd's
+    # first accumulation. At stage 3 a unit's whole flat gradient would then be allocated early in its
+    # backward, while its activations are all still live and most of its gradients not yet computed
+    # (FSDP2 does not allocate it either). Instead `.grad` is None when autograd reaches a flat param
+    # (`packs_grads`, core/user_grads.py), autograd makes each parameter's gradient, and when the unit's
+    # backward is over (`_reduce_unit_grads`) they are added into a zeroed (padded_numel,) buffer, `.grad`
+    # becomes its views, and autograd's tensors go (core/unit.py `packed_grads`). Adding onto zeros is
+    # what autograd's accumulation into a zeroed view did, so the bits are those of stages 0-2. When a
+    # full gradient already exists (kept by no_sync) or user code assigned a `.grad`, autograd
+    # accumulates into the full gradient's views, as at stages 0-2.
+    #
+    # [Note: reduce once the unit's backward is over]
+    # A unit has one flat param per dtype / requires_grad / optimizer option set, so a GPT block has two:
+    # its weights (decay) and its biases and norms (no decay). The weights' gradients are complete before
+    # the block's first LayerNorm has run its backward; reduced then, the weights' full gradient and the
+    # reduce-scatter's receive buffer (N rows of a shard: the gradient's size again; gloo's native
+    # reduce-scatter clones its input instead) would sit beside the rest of the block's backward, its
+    # activations and gathered parameters. So, as FSDP2's post-backward does for its parameter group, a unit's
+    # complete gradients wait until its backward is over (every trainable gradient complete, and its
+    # inputs' gradient computed: core/unit.py [Note: gather again in backward]); then the unit is freed
+    # and only then are its gradients packed and reduce-scattered, one after the other. The root, whole
+    # until the end of backward, reduces each flat param as it completes.
+    #
+    # How long they stay in flight depends on the device. On CUDA the collectives run on NCCL's stream and
+    # the CPU goes on to the next unit's backward, waiting for the unit before only when the next one is
+    # reduced: communication hides behind computation, for one unit's full gradients and receive buffers.
+    # On CPU the stage waits for them at once, as torch's FSDP1 does on CPU (a blocking reduce-scatter in
+    # its post-backward hook): a gloo collective competes with computation for the same cores, and an
+    # overlap would hold a unit's gradient twice over beside the next unit's backward. The measured peaks,
+    # beside FSDP1's: benchmarks/results/where_peak_stage3_unit_end.md and docs/scaling.md.
     def _on_grads_ready(self, fp: FlatParamLayout) -> None:
         """A flat param's gradients are all accumulated: its unit holds it until the unit's backward is over
         ([Note: reduce once the unit's backward is over]), then `_reduce_unit_grads` runs."""
