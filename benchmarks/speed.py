@@ -128,6 +128,18 @@ interval (order statistics of a binomial(n, 1/2)), the share of pairs zerokit wo
 the two median step times, and the largest loss difference (0: bit for bit).
 
 The peers of each stage are the block mode's (`PEERS`; not the DDP reference beside stage 2).
+Beside the wall time, each step's CPU time: `time.process_time()` of each rank's process over
+the same step (the main thread and gloo's), summed over ranks, with its own pair ratios and
+interval; a step that waits costs wall time, one that computes more costs CPU time too.
+`--model` also takes benchmarks/scaling.py's sizes (1M, 4M, 15M, 50M, 124M), `--bucket-numel
+default` gives each library its own default bucket (zerokit's per stage, DDP's 25 MB, as the
+sweep runs them), `--precision bf16` puts the peers under bf16 too (as the sweep does),
+`--reduction` is zk.shard's ordered_reduction, and `--nproc 1 --peers plain` sets each stage
+beside plain torch instead (zerokit's one-rank overhead):
+
+    python benchmarks/speed.py --paired --nproc 2 --model 4M --batch-size 1 --bucket-numel default \
+        --stages 0 --steps 300 --warmup 20 --out benchmarks/results/speed_stage0_4m_n2
+
 Both engines issue their collectives on the same gloo group, one step after the other, the same on
 every rank. Writes benchmarks/results/paired_steps.json and .md (command, date, commit, machine)."""
 from __future__ import annotations
