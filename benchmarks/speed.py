@@ -128,6 +128,18 @@ interval (order statistics of a binomial(n, 1/2)), the share of pairs zerokit wo
 the two median step times, and the largest loss difference (0: bit for bit).
 
 The peers of each stage are the block mode's (`PEERS`; not the DDP reference beside stage 2).
+Beside the wall time, each step's CPU time: `time.process_time()` of each rank's process over
+the same step (the main thread and gloo's), summed over ranks, with its own pair ratios and
+interval; a step that waits costs wall time, one that computes more costs CPU time too.
+`--model` also takes benchmarks/scaling.py's sizes (1M, 4M, 15M, 50M, 124M), `--bucket-numel
+default` gives each library its own default bucket (zerokit's per stage, DDP's 25 MB, as the
+sweep runs them), `--precision bf16` puts the peers under bf16 too (as the sweep does),
+`--reduction` is zk.shard's ordered_reduction, and `--nproc 1 --peers plain` sets each stage
+beside plain torch instead (zerokit's one-rank overhead):
+
+    python benchmarks/speed.py --paired --nproc 2 --model 4M --batch-size 1 --bucket-numel default \
+        --stages 0 --steps 300 --warmup 20 --out benchmarks/results/speed_stage0_4m_n2
+
 Both engines issue their collectives on the same gloo group, one step after the other, the same on
 every rank. Writes benchmarks/results/paired_steps.json and .md (command, date, commit, machine)."""
 from __future__ import annotations
@@ -1047,9 +1059,22 @@ def allocator_note(record: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- --paired
-def pairs_of(stages: list[int]) -> list[tuple[int, str]]:
-    """(stage, peer) for every peer `PEERS` sets beside each stage, references left out."""
+def pairs_of(stages: list[int], cfg: dict | None = None) -> list[tuple[int, str]]:
+    """(stage, peer) for every peer `PEERS` sets beside each stage, references left out; with `peers: "plain"`
+    in `cfg`, each stage beside plain torch (`peers_for`)."""
+    if cfg is not None and cfg.get("peers", "default") == "plain":
+        return [(stage, peer) for stage in stages for peer, _ in peers_for(stage, cfg)]
     return [(stage, peer) for stage in stages for peer, _ in PEERS[stage] if (stage, peer) not in REFERENCES]
+
+
+def model_config(name: str):
+    """A --model name: a zerokit.models preset, or one of benchmarks/scaling.py's sizes (1M, 4M, 15M, 50M, 124M:
+    the sweep's GPTs at its block size), given as its GPTConfig."""
+    from zerokit.models import preset
+    if name in ("1M", "4M", "15M", "50M", "124M"):
+        import scaling  # benchmarks/scaling.py imports this file; imported here, when asked for, that is no cycle
+        return scaling.config(name)
+    return preset(name)
 
 
 def paired_rank(rank: int, world_size: int, cfg: dict) -> dict:
@@ -1058,14 +1083,16 @@ def paired_rank(rank: int, world_size: int, cfg: dict) -> dict:
     device = torch.device("cpu")
     batches = _batches(cfg, rank, world_size, device, cfg["steps"])
     out = {}
-    for stage, peer in pairs_of(cfg["stages"]):
+    for stage, peer in pairs_of(cfg["stages"], cfg):
         loops = {"zerokit": _builder(f"zerokit stage {stage}", cfg, world_size, device)(),
                  "peer": _builder(peer, cfg, world_size, device)()}
-        record = {"zerokit": [], "peer": [], "zerokit_loss": [], "peer_loss": []}
+        record = {"zerokit": [], "peer": [], "zerokit_loss": [], "peer_loss": [], "zerokit_cpu": [], "peer_cpu": []}
         for i, (x, y) in enumerate(batches):
             for name in (("zerokit", "peer") if i % 2 == 0 else ("peer", "zerokit")):
                 train_step, zero_grad, _ = loops[name]
+                cpu = time.process_time()  # every thread of this rank's process: gloo's too
                 ms, loss = timed_step(train_step, zero_grad, x, y, device)  # as the block mode times a step
+                record[f"{name}_cpu"].append(1e3 * (time.process_time() - cpu))
                 record[name].append(ms)
                 record[f"{name}_loss"].append(loss)
         out[f"{stage}|{peer}"] = record
@@ -1101,54 +1128,79 @@ def paired_summarize(per_rank: list[dict], warmup: int) -> list[dict]:
         zk, pe = zk[warmup:], pe[warmup:]
         ratios = [a / b for a, b in zip(zk, pe)]
         low, high = median_interval(ratios)
+        # CPU time: each rank's process time of the step (main thread and gloo's), summed over ranks
+        zk_cpu = [sum(rank[key]["zerokit_cpu"][i] for rank in per_rank) for i in range(len(ratios) + warmup)][warmup:]
+        pe_cpu = [sum(rank[key]["peer_cpu"][i] for rank in per_rank) for i in range(len(ratios) + warmup)][warmup:]
+        cpu_ratios = [a / b for a, b in zip(zk_cpu, pe_cpu) if b > 0]
+        cpu_low, cpu_high = median_interval(cpu_ratios)
         dloss = max(abs(a - b) for rank in per_rank
                     for a, b in zip(rank[key]["zerokit_loss"], rank[key]["peer_loss"]))
         rows.append({"stage": int(stage), "peer": peer, "pairs": len(ratios),
                      "median_ratio": statistics.median(ratios), "ci95": [low, high],
                      "zerokit_faster": sum(r < 1 for r in ratios) / len(ratios),
                      "zerokit_ms": statistics.median(zk), "peer_ms": statistics.median(pe),
-                     "ratio_of_medians": statistics.median(zk) / statistics.median(pe), "max_abs_dloss": dloss})
+                     "ratio_of_medians": statistics.median(zk) / statistics.median(pe), "max_abs_dloss": dloss,
+                     "cpu_median_ratio": statistics.median(cpu_ratios), "cpu_ci95": [cpu_low, cpu_high],
+                     "zerokit_cpu_ms": statistics.median(zk_cpu), "peer_cpu_ms": statistics.median(pe_cpu)})
     return rows
 
 
 def paired_table(rows: list[dict]) -> list[str]:
     lines = ["| zerokit | torch peer | pairs | median pair ratio (zk / peer) | 95% interval | zerokit faster in "
-             "| zerokit ms | peer ms | ratio of medians | max abs Δloss |",
-             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "| zerokit ms | peer ms | ratio of medians | CPU time: median pair ratio | 95% interval "
+             "| zerokit CPU ms | peer CPU ms | max abs Δloss |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in rows:
+        cpu = (f"{r['cpu_median_ratio']:.3f} | {r['cpu_ci95'][0]:.3f}-{r['cpu_ci95'][1]:.3f} | "
+               f"{r['zerokit_cpu_ms']:.1f} | {r['peer_cpu_ms']:.1f}") if "cpu_median_ratio" in r else "- | - | - | -"
         lines.append(f"| stage {r['stage']} | {r['peer'].removeprefix('torch ')} | {r['pairs']} | "
                      f"{r['median_ratio']:.3f} | {r['ci95'][0]:.3f}-{r['ci95'][1]:.3f} | "
                      f"{100 * r['zerokit_faster']:.0f}% | {r['zerokit_ms']:.1f} | {r['peer_ms']:.1f} | "
-                     f"{r['ratio_of_medians']:.3f} | {r['max_abs_dloss']:.1e} |")
+                     f"{r['ratio_of_medians']:.3f} | {cpu} | {r['max_abs_dloss']:.1e} |")
     return lines
 
 
 def paired_main(argv: list[str]) -> int:
     """--paired: see the module docstring's "Paired mode"."""
-    from zerokit.models import preset
-
     p = argparse.ArgumentParser(description="zerokit beside a torch peer in paired, alternating steps")
     p.add_argument("--paired", action="store_true", required=True, help="this mode")
     p.add_argument("--nproc", type=int, default=2, help="gloo ranks (default 2)")
-    p.add_argument("--model", default="small", help="model preset (default small)")
+    p.add_argument("--model", default="small",
+                   help="model preset, or a size of benchmarks/scaling.py's sweep (1M, 4M, ...) (default small)")
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1], choices=[0, 1, 2, 3],
                    help="zerokit stages, each beside its peers (default 0 1)")
     p.add_argument("--steps", type=int, default=300, help="pairs of steps per stage and peer, warm-up included")
     p.add_argument("--warmup", type=int, default=20, help="pairs left out at the start (default 20)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
-    p.add_argument("--bucket-numel", type=int, default=1 << 16, help="zerokit's bucket_numel and DDP's cap (x 4 bytes)")
+    p.add_argument("--bucket-numel", default=str(1 << 16),
+                   help="zerokit's bucket_numel and DDP's cap (x 4 bytes); 'default': each library's own "
+                        "(zerokit's per-stage default, DDP's 25 MB), as benchmarks/scaling.py runs them")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="zerokit's precision; under bf16 the peers compute in bf16 too, as in the sweep")
+    p.add_argument("--reduction", default="default", choices=list(ORDERED), help="zerokit's ordered_reduction")
+    p.add_argument("--peers", default="default", choices=["default", "plain"],
+                   help="plain: each stage beside plain torch (no wrapper) instead; --nproc 1 only")
     p.add_argument("--timeout", type=float, default=1800, help="deadline for the spawn (s)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "paired_steps",
                    help="results path without extension (.json and .md are written)")
     args = p.parse_args(argv)
     if min(args.nproc, args.steps, args.batch_size) < 1 or not 0 <= args.warmup < args.steps:
         p.error("--nproc, --steps, --batch-size must be >= 1 and 0 <= --warmup < --steps")
+    if args.peers == "plain" and args.nproc != 1:
+        p.error("--peers plain compares with plain torch on one device: --nproc 1")
+    library_buckets = args.bucket_numel == "default"
+    bucket_numel = None if library_buckets else int(args.bucket_numel)
     record = provenance(command_line(__file__, argv))
-    cfg = {"model": args.model, "seed": 0, "peers": "default", "precision": "fp32", "reduction": "default",
-           "batch_size": args.batch_size, "block_size": preset(args.model).block_size, "steps": args.steps,
-           "lr": 3e-3, "bucket_numel": args.bucket_numel, "stages": args.stages, "device": "cpu"}
+    model = model_config(args.model)
+    cfg = {"model": args.model, "seed": 0, "peers": args.peers, "precision": args.precision,
+           "peer_precision": "match", "reduction": args.reduction,
+           "batch_size": args.batch_size, "block_size": model.block_size, "steps": args.steps,
+           "lr": 3e-3, "bucket_numel": bucket_numel, "stages": args.stages, "device": "cpu"}
+    if library_buckets:
+        cfg["ddp_bucket_numel"] = DDP_DEFAULT_BUCKET_NUMEL
     start = time.perf_counter()
-    rows = paired_summarize(run_ranks(paired_rank, args.nproc, cfg, timeout_s=args.timeout), args.warmup)
+    rows = paired_summarize(run_ranks(paired_rank, args.nproc, {**cfg, "model": model}, timeout_s=args.timeout),
+                            args.warmup)
     result = {**record, "nproc": args.nproc, "config": cfg, "warmup": args.warmup,
               "seconds": round(time.perf_counter() - start, 1), "rows": rows}
     print("\n".join(paired_table(rows)))
@@ -1161,9 +1213,9 @@ def _paired_markdown(r: dict) -> str:
     return "\n".join([
         "# zerokit beside its torch peers, step by step", "", *provenance_lines(r),
         f"- {r['nproc']} gloo ranks, model {c['model']}, {c['batch_size']} x {c['block_size']} tokens per rank per "
-        f"step, fp32 AdamW (lr {c['lr']}, weight decay 0.1, none on biases/LayerNorms), bucket {c['bucket_numel']} "
-        f"elements; zerokit's default reduction (ordered on gloo); {c['steps']} pairs of steps per row, the first "
-        f"{r['warmup']} left out; {r['seconds']} s in all", "", *paired_table(r["rows"]), "",
+        f"step, zerokit {c.get('precision', 'fp32')} AdamW (lr {c['lr']}, weight decay 0.1, none on "
+        f"biases/LayerNorms), {_paired_buckets(c)}; {_paired_reduction(c, r['nproc'])}; {c['steps']} pairs of "
+        f"steps per row, the first {r['warmup']} left out; {r['seconds']} s in all", "", *paired_table(r["rows"]), "",
         "Both engines are built once per row and run in turns, one step each on the same batch, the order "
         "swapped at every pair; a step is the slowest rank's time for forward, backward, optimizer step, the "
         "peer's zero_grad and reading the loss (as benchmarks/speed.py times it). A pair's ratio is "
@@ -1171,7 +1223,22 @@ def _paired_markdown(r: dict) -> str:
         "interval is the distribution-free 95% confidence interval of the median pair ratio (binomial order "
         "statistics). An interval wholly below 1 says zerokit's step is the faster one on this machine; one "
         "that straddles 1 says the two cannot be told apart here. Max abs Δloss: the largest difference of "
-        "the two engines' losses at the same step on any rank (0: bit for bit)."]) + "\n"
+        "the two engines' losses at the same step on any rank (0: bit for bit). CPU time: each rank's "
+        "`time.process_time()` over the same step (every thread of the process, gloo's included), summed over "
+        "ranks; its pair ratio and interval as for the wall time."]) + "\n"
+
+
+def _paired_buckets(c: dict) -> str:
+    if c["bucket_numel"] is None:
+        return "each library's default bucket size (zerokit's per stage, DDP's 25 MB)"
+    return f"bucket {c['bucket_numel']} elements (DDP's cap too)"
+
+
+def _paired_reduction(c: dict, nproc: int) -> str:
+    if c.get("reduction", "default") != "default":
+        return f"zerokit's reduction {c['reduction']}"
+    return {1: "one rank: no collective", 2: "zerokit's default reduction (at 2 ranks torch's all-reduce: "
+            "the ordered sum's bits)"}.get(nproc, "zerokit's default reduction (ordered on gloo)")
 
 
 # ----------------------------------------------------------------------------- --quantize

@@ -10,7 +10,8 @@ that reduce-scatter followed by an all-gather. An element's result then depends 
 contributions, so every stage agrees bit for bit whatever its layout; with gradients pre-multiplied by
 1/N, as DDP does, world size 2 is bitwise DDP (a + b == b + a). For the same reason an all-reduce at
 N = 2 is the native one, and the N = 2 reduce-scatter (`exchange_halves`) sends and receives only the
-peer's half. `ordered=None` picks ordered on gloo (exactness is the point there), native on NCCL.
+peer's half (tests/distributed/test_native_pairs.py: gloo's 2-rank all-reduce is exactly a + b on both ranks,
+fp32 and bf16, and stage 0 at N = 2 makes only native all-reduces). `ordered=None` picks ordered on gloo (exactness is the point there), native on NCCL.
 Under the tree (`reduction="tree"`) `sum_rows` adds pairwise, (r0 + r1) + (r2 + r3): the upper levels of
 core/tree.py [Note: world-size-independent bits]; it implies ordered and needs N a power of two.
 Costs: benchmarks/collectives.py (benchmarks/results/reduce_scatter_cost.md), benchmarks/speed.py.
