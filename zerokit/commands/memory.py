@@ -235,6 +235,9 @@ def simulate_rank(model: "str | GPTConfig", world_size: int, stage: int, precisi
         raise ValueError(f"seq_len must be in [1, {cfg.block_size}] for model {model!r}, got {seq_len}")
     if build not in ("meta", "deferred", "eager"):
         raise ValueError(f"build must be 'meta', 'deferred' or 'eager', got {build!r}")
+    if save and rank != 0:
+        raise ValueError("the save and load phases play rank 0, the rank that writes the model file: pass rank=0 "
+                         "or save=False")
     if lora and build == "meta":
         raise ValueError("--lora needs --build deferred or eager: LoRA's adapters are drawn after the base model's "
                          "init, which a meta build cannot replay")
@@ -426,7 +429,8 @@ def render_phases(phases: dict[str, Any], unit: str) -> list[str]:
              f"{format_in(bound, unit)} {unit}:"]
     for name, row in phases["peaks"].items():
         lines.append(f"  {name:<6} {format_in(row['peak_bytes'], unit):>10} {unit}  {row['ratio_to_bound']:.2f} x bound"
-                     f"  ({row['seconds']:.1f} s)")
+                     f"  ({row['seconds']:.1f} s; +{format_in(row['growth_bytes'], unit)} {unit} over the phase's "
+                     "start)")
     if "save" in phases["peaks"]:
         lines.append("  save: this rank's part of engine.save (the model file streamed one flat param at a time, its "
                      "rank file); load: its slices of them read back; the commit and the other ranks' files cannot "
