@@ -336,6 +336,8 @@ def simulated_save_and_load(engine, meter) -> dict[str, int]:
     import os
     import tempfile
 
+    import torch
+
     from zerokit.checkpoint.commit import _write_model_files, _write_rank_file
     from zerokit.checkpoint.format import SafetensorsReader, aliases, rank_file, state_kinds
     from zerokit.checkpoint.loading import _Plan, _read_model_file
@@ -353,7 +355,6 @@ def simulated_save_and_load(engine, meter) -> dict[str, int]:
             _read_model_file(engine, directory, plan.meta, plan)
             with SafetensorsReader(os.path.join(directory, rank_file(engine.rank, engine.world_size))) as f:
                 own = {key: f.get_tensor(key) for key in f.keys()}
-            import torch
             with torch.no_grad():
                 engine.load_flat_params(plan.flats)
             del plan, own
