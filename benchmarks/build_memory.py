@@ -1,4 +1,4 @@
-"""Per-phase peak memory of one simulated rank (build, step), a model built on the meta device or eagerly.
+"""Per-phase peak memory of one simulated rank (build, step, save, load), a model built on meta, deferred or eagerly.
 
     python benchmarks/build_memory.py                      # gpt2-xl at N = 8 and 64, stages 1-3; gpt3-6.7b at 64
     python benchmarks/build_memory.py --quick              # gpt2-small only (a smoke run, a minute)
@@ -6,7 +6,8 @@
     python benchmarks/build_memory.py --ranks              # 4 real gloo ranks, every phase, resumed at 2 and 8
 
 Each configuration is one fresh process running `zerokit memory --simulate ... --json`, so every peak is
-that process's own (commands/memory.py `simulate_rank`: the resident set's high-water mark per phase, beside
+that process's own (commands/memory.py `simulate_rank`: the resident set's high-water mark per phase, build,
+step, save and load (this rank's part of engine.save / engine.load, `simulated_save_and_load`), beside
 the bound = process baseline + model states + stage-3 working set + activations). `--build eager` rows
 build the whole model first, as zk.shard required before core/materialize.py. Results, with the commands,
 date and commit: benchmarks/results/build_memory.{json,md}. `--deferred` runs gpt2-xl at N = 64 (stages
@@ -58,7 +59,10 @@ def run_one(model: str, world_size: int, stage: int, build: str) -> dict:
             "model_states_bytes": sum(result["measured"][c] for c in ("params", "grads", "master_params",
                                                                        "optimizer_states")),
             "baseline_bytes": phases["baseline_bytes"], "bound_bytes": phases["bound_bytes"],
-            "peaks": phases["peaks"]}
+            "peaks": phases["peaks"], "saved_bytes": result.get("saved_bytes")}
+
+
+PHASES = ("build", "step", "save", "load")
 
 
 RANKS_MODEL = "gpt2-small"
@@ -191,15 +195,24 @@ def main(argv: list[str] | None = None) -> int:
              *provenance_lines(prov), "",
              "One process plays rank 0 of N (`Comm(simulate=Simulated(0, N))`), bf16 + AdamW, one step on 1 x 8 "
              "tokens. Peak: the resident set's high-water mark (VmHWM) in each phase; bound: process baseline + "
-             "model states (formula) + stage-3 working set + activations (zerokit/commands/memory.py "
-             "`phase_bound`). GB = 10^9 bytes.", "",
-             "| model | N | stage | build | model states GB | bound GB | build peak GB (x bound, s) | "
-             "step peak GB (x bound, s) |", "|---|---|---|---|---|---|---|---|"]
+             "model states (formula) + gradients in flight (stage 3: the working set of gathered units; stage 2: "
+             "the max_in_flight + 2 largest full-size buckets) + the tied head's two (V, d) autograd gradients + "
+             "activations (zerokit/commands/memory.py `phase_bound`, terms derived in core/estimate.py). "
+             "GB = 10^9 bytes.", "",
+             "Save and load are this rank's part of engine.save and engine.load (zerokit/commands/memory.py "
+             "[Note: save and resume on a simulated rank]: the consolidated model file streamed one flat param at a "
+             "time and this rank's rank file; then this rank's slices of the model file and its rank file read "
+             "back; the commit and the other N - 1 ranks' files cannot exist in a simulated world).", "",
+             "| model | N | stage | build | model states GB | bound GB | "
+             + " | ".join(f"{k} peak GB (x bound, s)" for k in PHASES) + " | files written GB |",
+             "|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|"]
     for r in rows:
         cells = [f"{r['peaks'][k]['peak_bytes'] / 1e9:.2f} ({r['peaks'][k]['ratio_to_bound']:.2f}x, "
-                 f"{r['peaks'][k]['seconds']:.0f} s)" for k in ("build", "step")]
+                 f"{r['peaks'][k]['seconds']:.0f} s)" if k in r["peaks"] else "-" for k in PHASES]
+        written = f"{sum(r['saved_bytes'].values()) / 1e9:.2f}" if r.get("saved_bytes") else "-"
         lines.append(f"| {r['model']} | {r['world_size']} | {r['stage']} | {r['build']} | "
-                     f"{r['model_states_bytes'] / 1e9:.2f} | {r['bound_bytes'] / 1e9:.2f} | {cells[0]} | {cells[1]} |")
+                     f"{r['model_states_bytes'] / 1e9:.2f} | {r['bound_bytes'] / 1e9:.2f} | " + " | ".join(cells)
+                     + f" | {written} |")
     lines += ["", "Each row's command: `" + "`, `".join(r["command"] for r in rows) + "`", ""]
     write_pair(args.out, {"provenance": prov, "rows": rows}, "\n".join(lines))
     return 0

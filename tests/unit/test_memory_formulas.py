@@ -22,6 +22,8 @@ from zerokit.core.estimate import (
     activation_bytes_estimate,
     estimate,
     per_rank_formula,
+    stage2_in_flight_grad_bytes,
+    tied_head_grad_bytes,
     zero3_working_set_bytes,
 )
 
@@ -270,6 +272,89 @@ def test_working_set_with_every_block_prefetched_is_the_whole_model():
     for cfg in (preset("tiny"), preset("gpt2-medium"), _odd_config()):
         for precision, e in (("fp32", 4), ("bf16", 2)):
             assert zero3_working_set_bytes(cfg, precision, prefetch=cfg.n_layer - 1) == num_params(cfg) * 2 * e
+
+
+@fast
+@given(st.lists(st.integers(min_value=0, max_value=10**9), max_size=64), st.integers(min_value=0, max_value=8),
+       st.sampled_from([2, 4]))
+def test_stage2_in_flight_is_the_largest_buckets(sizes, max_in_flight, g):
+    """stage2_in_flight_grad_bytes sums the max_in_flight + 2 largest buckets at g bytes: never less than any
+    max_in_flight + 2 of them, at most (max_in_flight + 2) x the largest, all of them (the whole gradient,
+    what stages 0-1 hold) once every bucket may be in flight."""
+    got = stage2_in_flight_grad_bytes(sizes, max_in_flight, g)
+    k = max_in_flight + 2
+    assert got == g * sum(sorted(sizes, reverse=True)[:k])
+    assert got >= g * sum(sizes[:k]) and got <= g * k * max(sizes, default=0)
+    assert stage2_in_flight_grad_bytes(sizes, len(sizes), g) == g * sum(sizes)
+
+
+def test_stage2_bound_reads_a_real_engines_buckets():
+    """On a stage-2 engine of a tied GPT the buckets `phase_bound` reads cover every trainable element once, and
+    the tied embedding, larger than the bucket cap, is its own bucket: the in-flight term counts it whole."""
+    import torch
+
+    import zerokit as zk
+    from zerokit.commands.memory import stage2_buckets
+    from zerokit.models import GPT, GPTConfig, num_params
+
+    cfg = GPTConfig(vocab_size=4096, block_size=32, n_layer=2, n_head=2, n_embd=64)
+    engine = zk.shard(GPT(cfg), torch.optim.AdamW, stage=2, precision="bf16", bucket_numel=1 << 15,
+                      comm=zk.Comm(simulate=zk.Simulated(0, 8)), lr=1e-4)
+    got = stage2_buckets(engine)
+    assert got["max_in_flight"] == 2 and got["grad_bytes"] == 2
+    assert num_params(cfg) <= sum(got["bucket_numels"]) < num_params(cfg) + 8 * len(got["bucket_numels"])
+    assert max(got["bucket_numels"]) >= cfg.vocab_size * cfg.n_embd > 1 << 15
+    assert stage2_in_flight_grad_bytes(**got) >= 2 * cfg.vocab_size * cfg.n_embd
+    assert stage2_buckets(zk.shard(GPT(cfg), torch.optim.AdamW, stage=3, comm=zk.Comm(simulate=zk.Simulated(0, 8)),
+                                   lr=1e-4)) == {}
+
+
+def test_tied_head_holds_two_vocab_by_d_gradients_in_autograd():
+    """tied_head_grad_bytes = 2·V·d·e, and that is what backward of a tied GPT really holds beside the weight's
+    gradient: the (V, d) tensors ops make in a plain torch backward (per storage, the weight's own excluded,
+    released when freed) peak at three alive at once, the head's and the embedding's gradients and their sum,
+    which becomes .grad (the buffer a stage counts)."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from zerokit.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=512, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    assert tied_head_grad_bytes(cfg, "bf16") == 2 * 512 * 32 * 2
+    assert tied_head_grad_bytes(cfg, "fp32") == 2 * 512 * 32 * 4
+    model = GPT(cfg)
+    assert model.lm_head.weight is model.wte.weight
+
+    class CountVd(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.alive, self.peak, self.seen = 0, 0, set()
+
+        def _release(self, key):
+            self.alive -= 1
+            self.seen.discard(key)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and tuple(t.shape) == (512, 32):
+                    key = t.untyped_storage().data_ptr()
+                    if key not in self.seen and key != weight:  # a new storage (an in-place add returns the old one)
+                        self.seen.add(key)
+                        self.alive += 1
+                        self.peak = max(self.peak, self.alive)
+                        weakref.finalize(t.untyped_storage(), self._release, key)
+            return out
+
+    weight = model.wte.weight.untyped_storage().data_ptr()
+    idx = torch.randint(512, (1, 16))
+    _, loss = model(idx, idx)
+    with CountVd() as counter:
+        loss.backward()
+    assert model.wte.weight.grad.untyped_storage().data_ptr() in counter.seen  # the sum is the .grad, still alive
+    assert counter.peak == 3, counter.peak
+    assert tied_head_grad_bytes(cfg, "fp32") == (counter.peak - 1) * 512 * 32 * 4
 
 
 def test_lora_adapter_count_matches_inject():

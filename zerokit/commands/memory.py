@@ -59,6 +59,8 @@ from zerokit.core.estimate import (
     per_rank_formula,
     quantized_weight_bytes,
     resolve_shard_group_size,
+    stage2_in_flight_grad_bytes,
+    tied_head_grad_bytes,
     zero3_working_set_bytes,
 )
 
@@ -199,18 +201,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --simulate: build the model on the meta device and let zk.shard initialize it one "
                              "unit at a time (meta, the default), record its construction with zk.deferred_init() "
                              "(deferred), or build it whole first (eager)")
+    parser.add_argument("--no-save", action="store_true",
+                        help="with --simulate: skip the save and load phases (this rank's part of engine.save and "
+                             "engine.load, into a temporary directory: the whole model file is written, 4Ψ bytes)")
 
 
 def simulate_rank(model: "str | GPTConfig", world_size: int, stage: int, precision: str = "bf16", optimizer: str = "adam",
                   rank: int = 0, seq_len: int = 8, device: str | None = None, bucket_numel: int | None = None,
-                  lora: bool = False, build: str = "meta") -> dict[str, Any]:
+                  lora: bool = False, build: str = "meta", save: bool = False) -> dict[str, Any]:
     """Build `model` (a preset name or a GPTConfig), wrap it as `rank` of a simulated world of `world_size`, train one step, measure.
 
     Returns `core.ledger.ledger(...)` (measured and predicted bytes per category, relative errors,
     configuration) plus "seconds" (wall time of the whole measurement), "device" and "phases": the
     process's peak memory in each phase ("build": constructing the model and zk.shard; "step": one
-    forward, backward and optimizer step), measured by `core.ledger.PeakMeter`, beside the bound
-    `phase_bound` computes. `build="meta"` (the default) builds the model on the meta device and lets
+    forward, backward and optimizer step; with `save` (the command's default) also "save" and "load", see
+    `simulated_save_and_load`), measured by `core.ledger.PeakMeter`, beside the bound `phase_bound`
+    computes. `build="meta"` (the default) builds the model on the meta device and lets
     zk.shard initialize it one flat param at a time (core/materialize.py); "eager" builds it whole
     first, as a user without meta-device init would; "deferred" records the construction under
     zk.deferred_init() (core/deferred.py) and works with LoRA, whose adapters are then drawn for real
@@ -229,6 +235,9 @@ def simulate_rank(model: "str | GPTConfig", world_size: int, stage: int, precisi
         raise ValueError(f"seq_len must be in [1, {cfg.block_size}] for model {model!r}, got {seq_len}")
     if build not in ("meta", "deferred", "eager"):
         raise ValueError(f"build must be 'meta', 'deferred' or 'eager', got {build!r}")
+    if save and rank != 0:
+        raise ValueError("the save and load phases play rank 0, the rank that writes the model file: pass rank=0 "
+                         "or save=False")
     if lora and build == "meta":
         raise ValueError("--lora needs --build deferred or eager: LoRA's adapters are drawn after the base model's "
                          "init, which a meta build cannot replay")
@@ -269,31 +278,112 @@ def simulate_rank(model: "str | GPTConfig", world_size: int, stage: int, precisi
         engine.step()
     predicted_activations = activation_bytes_estimate(cfg, 1, precision, seq_len=seq_len)
     out = ledger(engine, activation_bytes=activations.peak_bytes, predicted_activations=predicted_activations)
+    if save:
+        saved_bytes = simulated_save_and_load(engine, meter)
     out["seconds"] = time.perf_counter() - start
     out["device"] = str(device)
     out["config"].update(model=model if isinstance(model, str) else repr(model), seq_len=seq_len, simulated=True,
                          build=build)
-    bound = phase_bound(out, cfg, stage, precision, meter.baseline)
+    if save:
+        out["saved_bytes"] = saved_bytes
+    bound = phase_bound(out, cfg, stage, precision, meter.baseline, **stage2_buckets(engine))
     out["phases"] = {"baseline_bytes": meter.baseline, "bound_bytes": bound, "measured_by": (
         "CUDA allocator peak" if meter.cuda else "resident set high-water mark (VmHWM)"),
-        "peaks": {name: {"peak_bytes": peak, "ratio_to_bound": peak / bound, "seconds": meter.seconds[name]}
+        "largest_unit_bytes": max(4 * fp.padded_numel for fp in engine.flat_params),  # one flat param in fp32
+        "peaks": {name: {"peak_bytes": peak, "ratio_to_bound": peak / bound, "seconds": meter.seconds[name],
+                         "growth_bytes": peak - meter.starts[name]}
                   for name, peak in meter.peaks.items()}}
     return out
 
 
-def phase_bound(result: dict[str, Any], cfg, stage: int, precision: str, baseline: int) -> int:
-    """What a rank may hold at its peak in any phase: the process baseline + the model states (formula) + at
-    stage 3 the working set of gathered units (`zero3_working_set_bytes`: the root and 1 + prefetch blocks,
-    their params and grads, and two more (V, d) gradients of the tied head) + the predicted activations. Stages 1-2 hold their full params among the model
-    states, and their gradient buckets in flight are not in it."""
+def stage2_buckets(engine) -> dict[str, Any]:
+    """`phase_bound`'s stage-2 arguments read off `engine` ({} at other stages): its buckets' padded sizes, its
+    max_in_flight, and the larger of its param and reduce dtypes' bytes."""
+    if engine.stage != 2:
+        return {}
+    sizes = [engine.policy.param_dtype.itemsize, engine.policy.reduce_dtype.itemsize]
+    return {"bucket_numels": [fp.padded_numel for fp in engine.flat_params if fp.requires_grad],
+            "max_in_flight": engine.config.max_in_flight, "grad_bytes": max(sizes)}
+
+
+def simulated_save_and_load(engine, meter) -> dict[str, int]:
+    """The save and load phases of one simulated rank, into a temporary directory; returns the bytes written.
+
+    [Note: save and resume on a simulated rank]
+    At a simulated world size only this rank exists, so only this rank's files can: `engine.save`
+    writes them and then fails at its commit, whose meta.json lists all N ranks' files, and
+    `engine.load` refuses a checkpoint missing N - 1 rank files before reading any tensor. What a
+    real rank holds in either is still measurable, because everything large it handles is its own:
+
+    * "save": the write step of engine.save (checkpoint/commit.py `_write_model_files` and
+      `_write_rank_file`, the very functions it calls): every rank gathers the model one flat param
+      at a time and rank 0 streams each into model.safetensors; then this rank writes its rank file
+      (its pieces of the fp32 masters and optimizer states). Left out: the commit (meta.json, a few
+      kB, and two fsyncs), which needs the other ranks' file records.
+    * "load": the read step of engine.load for the same world size (checkpoint/loading.py
+      `_read_model_file`, into its `_Plan`: the range of each flat param this rank keeps, read a
+      slice at a time from the model file just written, `engine.kept_range`: its shard at stage 3,
+      the whole model at stages 0-2, where params are whole), and this rank's rank file read whole
+      (at the saved world size the only one holding tensor data this rank reads; the others' headers
+      are all `_read_rank_files` would read of them), held together, as the plan is, beside the
+      engine's own states; then the flat params installed (`engine.load_flat_params`, as `_install`
+      does). Left out: the verification of sha256 digests (streamed, a fixed-size buffer) and
+      installing the masters and states, which the rank file holds bit for bit already.
+
+    A phase that gathered or read the whole model (a `state_dict(full=True)` in the save, say) shows
+    in its peak: tests/unit/test_memory_phases.py plants exactly that.
+    """
+    import os
+    import tempfile
+
+    import torch
+
+    from zerokit.checkpoint.commit import _write_model_files, _write_rank_file
+    from zerokit.checkpoint.format import SafetensorsReader, aliases, rank_file, state_kinds
+    from zerokit.checkpoint.loading import _Plan, _read_model_file
+
+    with tempfile.TemporaryDirectory(prefix="zerokit-simulated-save-") as directory:
+        with meter.phase("save"):
+            engine.finish_backward()
+            kinds = state_kinds(engine)
+            files = _write_model_files(engine, directory)
+            files[rank_file(engine.rank, engine.world_size)] = _write_rank_file(engine, directory, kinds,
+                                                                                aliases(engine.module))
+        written = {name: os.path.getsize(os.path.join(directory, name)) for name in files}
+        with meter.phase("load"):
+            plan = _Plan({"files": files, "aliases": aliases(engine.module), "params": {}})
+            _read_model_file(engine, directory, plan.meta, plan)
+            with SafetensorsReader(os.path.join(directory, rank_file(engine.rank, engine.world_size))) as f:
+                own = {key: f.get_tensor(key) for key in f.keys()}
+            with torch.no_grad():
+                engine.load_flat_params(plan.flats)
+            del plan, own
+    return written
+
+
+def phase_bound(result: dict[str, Any], cfg, stage: int, precision: str, baseline: int,
+                bucket_numels: "list[int] | None" = None, max_in_flight: int = 2, grad_bytes: int | None = None) -> int:
+    """What a rank may hold at its peak in any phase:
+
+        process baseline + model states (formula) + gradients in flight + tied head + activations (predicted)
+
+    gradients in flight: at stage 3 the working set of gathered units (`zero3_working_set_bytes`: the
+    root and 1 + prefetch blocks, their params and grads); at stage 2 the full-size buckets backward
+    holds before their reduce-scatters complete (`stage2_in_flight_grad_bytes` over `bucket_numels`,
+    each bucket's padded elements, with `max_in_flight` and `grad_bytes`, default the param dtype's;
+    required at stage 2); stages 0-1 hold every full gradient among the model states. tied head: the two
+    (V, d) gradients autograd holds for a tied embedding/head beside the buffer counted above
+    (`tied_head_grad_bytes`), at every stage. Both terms are derived in core/estimate.py."""
     predicted = result["predicted"]
     states = sum(predicted[c] or 0 for c in ("params", "grads", "master_params", "optimizer_states"))
-    working = 0
+    working = tied_head_grad_bytes(cfg, precision)
     if stage == 3:
-        # The tied embedding/head's gradient: autograd holds the head's (V, d) gradient, then the embedding's
-        # dense one and their sum, three at once, where the working set counts one.
+        working += zero3_working_set_bytes(cfg, precision)
+    elif stage == 2:
+        if bucket_numels is None:
+            raise ValueError("phase_bound at stage 2 needs bucket_numels (each bucket's padded elements)")
         e = 4 if precision == "fp32" else 2
-        working = zero3_working_set_bytes(cfg, precision) + 2 * cfg.vocab_size * cfg.n_embd * e
+        working += stage2_in_flight_grad_bytes(bucket_numels, max_in_flight, grad_bytes or e)
     return baseline + states + working + (predicted.get("activations") or 0)
 
 
@@ -335,11 +425,17 @@ def render_phases(phases: dict[str, Any], unit: str) -> list[str]:
         return ["(per-phase peaks: not measurable on this platform)"]
     bound = phases["bound_bytes"]
     lines = [f"per-phase peak ({phases['measured_by']}; process baseline {format_in(phases['baseline_bytes'], unit)} "
-             f"{unit}) beside the bound = baseline + model states + stage-3 working set + activations = "
+             f"{unit}) beside the bound = baseline + model states + gradients in flight (stage 3: working set; stage 2: "
+             f"buckets) + tied head's autograd gradients + activations = "
              f"{format_in(bound, unit)} {unit}:"]
     for name, row in phases["peaks"].items():
         lines.append(f"  {name:<6} {format_in(row['peak_bytes'], unit):>10} {unit}  {row['ratio_to_bound']:.2f} x bound"
-                     f"  ({row['seconds']:.1f} s)")
+                     f"  ({row['seconds']:.1f} s; +{format_in(row['growth_bytes'], unit)} {unit} over the phase's "
+                     "start)")
+    if "save" in phases["peaks"]:
+        lines.append("  save: this rank's part of engine.save (the model file streamed one flat param at a time, its "
+                     "rank file); load: its slices of them read back; the commit and the other ranks' files cannot "
+                     "exist in a simulated world (commands/memory.py [Note: save and resume on a simulated rank])")
     return lines
 
 
@@ -362,7 +458,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     simulated_world = shard_ranks if args.stage >= 1 else args.world_size
     try:
         result = simulate_rank(args.model, simulated_world, args.stage, args.precision, args.optimizer,
-                               seq_len=args.seq_len, device=args.device, build=args.build)
+                               seq_len=args.seq_len, device=args.device, build=args.build,
+                               save=not args.no_save)
     except ValueError as err:
         raise SystemExit(f"zerokit memory --simulate: {err}") from None
     cfg = result["config"]

@@ -380,6 +380,60 @@ def zero3_working_set_bytes(cfg: Any, precision: str = "bf16", prefetch: int = 1
     return (root + (1 + prefetch) * block) * 2 * e
 
 
+def tied_head_grad_bytes(cfg: Any, precision: str = "bf16") -> int:
+    """Gradient bytes autograd holds for a tied embedding/head beyond the gradient buffer a stage counts.
+
+    The weight is used twice, by the head (a matmul) and by the embedding (a lookup), so its one
+    AccumulateGrad node gets two (V, d) gradients in the parameter dtype: the head's, computed first
+    and held in autograd's input buffer until the embedding's dense one arrives (embedding backward
+    scatters into a dense (V, d) zero tensor); the two are summed into a third (V, d) tensor, which
+    becomes the weight's .grad or is copied into the gradient buffer the stage counts (stage 3: the root unit's
+    unsharded grad, in `zero3_working_set_bytes`; stage 2: the embedding's bucket, in
+    `stage2_in_flight_grad_bytes`; stages 0-1: the full gradient among the model states). So
+    two (V, d) tensors live beside that buffer's worth for a moment (measured, three alive at once in a
+    plain torch backward: tests/unit/test_memory_formulas.py):
+
+        2 · V · d · e,   e = 4 (fp32) or 2 (bf16 / fp16)
+
+    0 for a config whose head is not tied (`tie_weights` False, where there is such a field).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if not getattr(cfg, "tie_weights", True):
+        return 0
+    e = 4 if precision == "fp32" else 2
+    return 2 * _attr(cfg, "vocab_size") * _attr(cfg, "n_embd") * e
+
+
+def stage2_in_flight_grad_bytes(bucket_numels: "list[int] | tuple[int, ...]", max_in_flight: int = 2,
+                                grad_bytes: int = 2) -> int:
+    """Peak bytes of full-size gradient buckets a stage-2 rank holds inside backward: not a model state.
+
+    Stage 2 keeps only grad shards (2Ψ/N) between steps, but inside backward a bucket's full-size
+    gradient lives from just before its first gradient arrives until its reduce-scatter completes,
+    and a gradient hook waits only once `max_in_flight` reduce-scatters are running
+    (stages/zero2.py: "Full-size gradient memory alive at once"). So alive at once are at most
+    `max_in_flight` buckets in flight plus the two autograd may be filling (a module straddling a
+    bucket boundary starts the next before the current one completes): the (max_in_flight + 2)
+    buckets. A parameter larger than `bucket_numel` (the tied embedding of a GPT: V·d elements, 80M
+    for gpt2-xl against a 4 Mi cap) is a bucket of its own, so the bound sums the largest ones, not
+    a multiple of the cap:
+
+        g · (sum of the max_in_flight + 2 largest padded bucket sizes)
+
+    with g = grad_bytes, the larger of the param and the reduce dtype's bytes (a reduce-dtype copy
+    replaces the param-dtype bucket once it is ready; counting every bucket at the larger size
+    bounds both). `bucket_numels`: each bucket's padded elements (`[fp.padded_numel for fp in
+    engine.flat_params]` at stage 2).
+    """
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 0:
+        raise ValueError(f"max_in_flight must be an int >= 0, got {max_in_flight!r}")
+    if isinstance(grad_bytes, bool) or not isinstance(grad_bytes, int) or grad_bytes < 1:
+        raise ValueError(f"grad_bytes must be an int >= 1, got {grad_bytes!r}")
+    sizes = sorted((_as_count(n, "bucket_numels") for n in bucket_numels), reverse=True)
+    return grad_bytes * sum(sizes[:max_in_flight + 2])
+
+
 def comm_bytes_per_step(num_params: int, stage: int, param_bytes: int, grad_bytes: int,
                         trainable_params: int | None = None, quantize: str | None = None, quantized_params=None,
                         block_size: int = 64, double_quant: bool = True) -> int:

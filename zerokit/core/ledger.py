@@ -234,7 +234,8 @@ class PeakMeter:
     On CPU the kernel's resident-set high-water mark (VmHWM in /proc/self/status), reset at the start of
     each phase by writing "5" to /proc/self/clear_refs, so a phase's peak is its own and includes
     everything resident (the interpreter, torch, allocator slack); `baseline` is the resident set when the
-    meter was made. On CUDA the caching allocator's peak of allocated bytes (torch.cuda.reset_peak_memory_stats).
+    meter was made, `starts[name]` the resident set as the phase began (so `peaks[name] - starts[name]` is
+    what the phase added at its height). On CUDA the caching allocator's peak of allocated bytes (torch.cuda.reset_peak_memory_stats).
     Where neither is available (not Linux), `available` is False and phases record nothing.
     """
 
@@ -247,6 +248,7 @@ class PeakMeter:
             _mmap_large_allocations()
         self.peaks: dict[str, int] = {}
         self.seconds: dict[str, float] = {}  # each phase's wall time
+        self.starts: dict[str, int] = {}  # the resident set (allocated bytes on CUDA) as each phase began
         self.baseline = self.current() if self.available else 0
 
     def current(self) -> int:
@@ -272,6 +274,7 @@ class PeakMeter:
             yield
             return
         self._reset()
+        self.starts[name] = self.current()
         try:
             yield
         finally:

@@ -255,7 +255,11 @@ class DeferredInit:
         everyone = world.all_gather_object(shape, label="the deferred_init recordings (ops and draws)", phase="init")
         if any(theirs != shape for theirs in everyone):
             raise ValueError("zk.shard: the model recorded by zk.deferred_init() differs between ranks (its ops or "
-                             "random draws): every rank must build the same model the same way")
+                             "random draws, or the real tensors they read): every rank must build the same model the "
+                             "same way. A step that ran for real while recording (zk.quantize called after the `with "
+                             "zk.deferred_init():` block computes each weight from this rank's own seed) reads "
+                             "different values on ranks seeded differently: quantize inside the block, or seed every "
+                             "rank alike")
         on = torch.device("cuda", torch.cuda.current_device()) if world.backend == "nccl" else torch.device("cpu")
         for r in order:
             if not r.states:
