@@ -22,9 +22,10 @@ def test_a_log_gets_one_plain_line_per_interval_and_one_at_the_end():
     bar.close()
     lines = out.getvalue().splitlines()
     assert "\r" not in out.getvalue()
-    assert len(lines) == 5, lines  # at 10, 20, 30, 40 and 50 s; the close adds nothing after the last
-    assert lines[0] == "stage 2 x2 fp32: step 140/300 (47%), 10.0 s, loss=2.961"
-    assert lines[-1].startswith("stage 2 x2 fp32: step 300/300 (100%), 50.0 s")
+    assert len(lines) == 6, lines  # after the first step, then at 10.25, 20.25, ... s, then the end
+    assert lines[0] == "stage 2 x2 fp32: step 101/300 (34%), 0.2 s, 4.00 step/s, loss=3.000"
+    assert lines[1] == "stage 2 x2 fp32: step 141/300 (47%), 10.2 s, 4.00 step/s, loss=2.960"
+    assert lines[-1].startswith("stage 2 x2 fp32: step 300/300 (100%), 50.0 s, 4.00 step/s")
 
 
 def test_close_prints_the_final_state_once():
@@ -32,7 +33,7 @@ def test_close_prints_the_final_state_once():
     bar = PlainProgress(total=3, desc="d", every_s=10.0, file=out, clock=clock)
     bar.update(1)
     bar.close()
-    assert out.getvalue().splitlines() == ["d: step 1/3 (33%), 0.0 s"]
+    assert out.getvalue().splitlines() == ["d: step 1/3 (33%), 0.0 s"]  # printed at the first step, once
 
 
 def test_not_a_terminal_means_plain_lines(capsys):

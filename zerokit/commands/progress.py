@@ -2,9 +2,10 @@
 
 A tqdm bar redraws itself with carriage returns; written into a file, a pipe or a CI log (`nohup`, `| tee`)
 every redraw piles onto one line of many kilobytes. Where stderr is not a terminal, `progress` prints one
-plain line every `every_s` seconds instead (and at the end), as Accelerate and Hugging Face's trainers do:
+plain line after the first step, then one every `every_s` seconds and one at the end, as Accelerate and
+Hugging Face's trainers do (the rate in tqdm's words, so whoever waits for "step/s" finds it either way):
 
-    stage 2 x2 fp32: step 120/300 (40%), 31.2 s, loss=3.121, tok_s=5,120
+    stage 2 x2 fp32: step 120/300 (40%), 31.2 s, 3.85 step/s, loss=3.121, tok_s=5,120
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class PlainProgress:
         self.clock = clock
         self.start = self.last = clock()
         self.postfix: dict[str, str] = {}
+        self.initial = initial
         self.printed_at: int | None = None
 
     def set_postfix(self, **values) -> None:
@@ -30,7 +32,7 @@ class PlainProgress:
     def update(self, n: int = 1) -> None:
         self.n += n
         now = self.clock()
-        if now - self.last >= self.every_s:
+        if self.printed_at is None or now - self.last >= self.every_s:
             self.last = now
             self._print(now)
 
@@ -40,8 +42,10 @@ class PlainProgress:
 
     def line(self, now: float) -> str:
         share = f" ({self.n / self.total:.0%})" if self.total else ""
+        seconds = now - self.start
+        rate = f", {(self.n - self.initial) / seconds:.2f} step/s" if seconds > 0 else ""
         extra = "".join(f", {k}={v}" for k, v in self.postfix.items())
-        return f"{self.desc}: step {self.n}/{self.total}{share}, {now - self.start:.1f} s{extra}"
+        return f"{self.desc}: step {self.n}/{self.total}{share}, {seconds:.1f} s{rate}{extra}"
 
     def _print(self, now: float) -> None:
         print(self.line(now), file=self.file, flush=True)
