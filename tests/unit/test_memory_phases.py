@@ -16,7 +16,7 @@ def _growth(result):
     return {name: row["growth_bytes"] for name, row in result["phases"]["peaks"].items()}
 
 
-def _plant_full_gather(monkeypatch):
+def _plant_full_gather():
     """Save as before streaming: the full state held at once (what state_dict(full=True) holds); load as a reader
     of the whole model file (every tensor read and kept beside the plan)."""
     from zerokit.checkpoint import loading
@@ -28,7 +28,7 @@ def _plant_full_gather(monkeypatch):
         items = [(name, None if t is None else t.clone()) for name, t in streaming(self, rank0_only)]
         yield from items
 
-    monkeypatch.setattr(Engine, "full_state_items", whole_at_once)
+    Engine.full_state_items = whole_at_once
     per_slice = loading._read_model_file
 
     def read_whole(engine, directory, meta, plan):
@@ -37,15 +37,31 @@ def _plant_full_gather(monkeypatch):
         per_slice(engine, directory, meta, plan)
         plan.planted = whole  # held until the plan is dropped, as a whole-model plan would be
 
-    monkeypatch.setattr(loading, "_read_model_file", read_whole)
+    loading._read_model_file = read_whole
 
 
-def test_simulated_save_and_load_add_one_unit_not_the_model(monkeypatch):
+def _simulate(planted: bool) -> dict:
+    """One simulated rank in this (fresh) process: a resident set's growth is only comparable between runs that
+    start from the same heap, so each run gets a process of its own."""
+    if planted:
+        _plant_full_gather()
+    return simulate_rank(WIDE, N, 3, "bf16", build="deferred", save=True)
+
+
+def _in_fresh_process(planted: bool) -> dict:
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_simulate, planted).result(timeout=240)
+
+
+def test_simulated_save_and_load_add_one_unit_not_the_model():
     """Stage 3, rank 0 of 64: the save (model file streamed one flat param at a time, then the rank file) adds at
     most 2 units to the resident set, the load (this rank's slices of the model file, its rank file) at most 2
     units + this rank's 16Ψ/N; planting a full gather in the save and a whole-file read in the load makes each
-    add the whole model (4Ψ)."""
-    result = simulate_rank(WIDE, N, 3, "bf16", build="deferred", save=True)
+    add about the whole model (4Ψ), far over those bounds."""
+    result = _in_fresh_process(planted=False)
     assert set(result["phases"]["peaks"]) == {"build", "step", "save", "load"}
     psi, unit = result["config"]["num_params"], result["phases"]["largest_unit_bytes"]
     files = result["saved_bytes"]
@@ -55,9 +71,9 @@ def test_simulated_save_and_load_add_one_unit_not_the_model(monkeypatch):
     assert growth["save"] <= 2 * unit, (growth, unit)
     assert growth["load"] <= 2 * unit + 16 * psi // N, (growth, unit)
 
-    _plant_full_gather(monkeypatch)
-    planted = _growth(simulate_rank(WIDE, N, 3, "bf16", build="deferred", save=True))
-    assert planted["save"] > 0.9 * 4 * psi and planted["load"] > 0.9 * 4 * psi, (planted, psi)
+    planted = _growth(_in_fresh_process(planted=True))
+    assert planted["save"] > 0.5 * 4 * psi and planted["load"] > 0.5 * 4 * psi, (planted, psi)
+    assert planted["save"] > 2 * unit and planted["load"] > 2 * unit + 16 * psi // N, (planted, unit)
 
 
 def test_simulate_skips_save_by_default_in_the_api():
