@@ -16,6 +16,10 @@ is built over `master_shard`s, so its states (Adam's exp_avg, exp_avg_sq) exist 
 the shard — that is ZeRO-1's whole memory saving. Under fp32 the master shard *is* the
 param shard (a view: no copy, 0 extra bytes); under bf16/fp16 it is a separate fp32 copy
 (4 bytes/param) and the update happens there, then the low-precision params are refreshed.
+An optimizer that is not elementwise (Adafactor, Muon, LAMB: its update reads a parameter's shape or
+norms) would compute something else on a shard; for it the wrapped optimizer is built over whole
+parameters instead, each stepped by one owner rank (optim/whole_params.py [Note: elementwise or whole
+parameters]), while the master shards, and phases 1, 2 and 4 below, stay as they are.
 
 Buffers with the same hyperparameter overrides share one optimizer param group, so each
 `step` runs the wrapped optimizer over a few whole shards (torch's for-loop implementation on
@@ -135,7 +139,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self):
-        """The wrapped optimizer's state: keyed by this rank's master shards."""
+        """The wrapped optimizer's state: keyed by this rank's master shards (the whole-parameter path: by the
+        parameters this rank owns, `owned()`)."""
         return self.optimizer.state
 
     # torch.amp.GradScaler hands an optimizer that says so the scaler itself (`step(grad_scaler=)`) instead of
