@@ -95,18 +95,17 @@ class _CountReads:
     """Bytes every SafetensorsReader in this process reads, while active."""
 
     def __enter__(self):
-        self.bytes, self._orig = 0, ckpt_format.SafetensorsReader._pread
+        self.bytes, self._orig = 0, ckpt_format.SafetensorsReader._read_bytes  # where every read ends
         orig = self._orig
 
-        def counted(reader, key, start, count):
-            out = orig(reader, key, start, count)
-            self.bytes += out.numel() * out.element_size()
-            return out
-        ckpt_format.SafetensorsReader._pread = counted
+        def counted(reader, key, start, out):
+            orig(reader, key, start, out)
+            self.bytes += out.numel()
+        ckpt_format.SafetensorsReader._read_bytes = counted
         return self
 
     def __exit__(self, *exc):
-        ckpt_format.SafetensorsReader._pread = self._orig
+        ckpt_format.SafetensorsReader._read_bytes = self._orig
 
 
 def _masters(engine) -> list[torch.Tensor]:

@@ -395,18 +395,10 @@ def show_hyperparameter(encoded) -> str:
     return repr(encoded) if isinstance(encoded, str) else str(encoded)
 
 
-def build_meta(engine, kinds: dict[str, str], extra: dict | None, files: dict[str, dict]) -> dict:
-    """meta.json's content for `engine`, given every file's record."""
-    optimizer = engine.optimizer
+def param_records(engine) -> dict[str, dict]:
+    """meta.json's "params": per parameter (under its first name) its names, shape, dtype, requires_grad, and its
+    storage strides where they are not contiguous and its packing where it is quantized."""
     names_of = aliases(engine.module)
-    trainable = [fp for fp, _m in trainable_with_masters(engine)]
-    groups = []
-    for group, shards in zip(optimizer.param_groups, optimizer.group_shards):
-        fps = [trainable[k] for k in shards]
-        names = [names_of.get(names[0], names[0]) for fp in fps for names in fp.names]
-        hyper = {k: encode_hyperparameter(v) for k, v in group.items() if k != "params"}
-        groups.append({"params": names, "hyperparameters": hyper})
-    step = optimizer.first_step_count()
     params = {}
     for fp in engine.flat_params:
         for names, shape in zip(fp.names, fp.layout.shapes):
@@ -419,6 +411,22 @@ def build_meta(engine, kinds: dict[str, str], extra: dict | None, files: dict[st
         for names, p in zip(fp.names, fp.params):  # a quantized weight: how its bytes encode it
             if getattr(p, "zerokit_packed", None):
                 params[names_of.get(names[0], names[0])]["packed"] = str(p.zerokit_packed)
+    return params
+
+
+def build_meta(engine, kinds: dict[str, str], extra: dict | None, files: dict[str, dict]) -> dict:
+    """meta.json's content for `engine`, given every file's record."""
+    optimizer = engine.optimizer
+    names_of = aliases(engine.module)
+    trainable = [fp for fp, _m in trainable_with_masters(engine)]
+    groups = []
+    for group, shards in zip(optimizer.param_groups, optimizer.group_shards):
+        fps = [trainable[k] for k in shards]
+        names = [names_of.get(names[0], names[0]) for fp in fps for names in fp.names]
+        hyper = {k: encode_hyperparameter(v) for k, v in group.items() if k != "params"}
+        groups.append({"params": names, "hyperparameters": hyper})
+    step = optimizer.first_step_count()
+    params = param_records(engine)
     expected = snapshot_files(engine.world_size, model_files(files))
     assert set(files) == expected, (sorted(files), sorted(expected))
     return {
@@ -702,6 +710,9 @@ def _refuse_without_pointer(directory: str, pointer_path: str) -> None:
 
 
 # ====================================================================== reading ranges of a safetensors file
+READ_CHUNK_NUMEL = 1 << 22  # elements per read when a read must cast: 16 MB of fp32 scratch at most
+
+
 class SafetensorsReader:
     """A safetensors file read by byte ranges, not mapped: `keys()`, `get_slice(key).get_shape()`,
     `get_slice(key)[i:j]` (rows i..j of the first dimension) and `get_tensor(key)`, as `safe_open` has them;
@@ -783,16 +794,40 @@ class SafetensorsReader:
         return torch.stack([self._pread(key, r * cols + first, last - first) for r in range(rows)]) if rows else \
             torch.empty(0, last - first, dtype=self.dtype(key))
 
+    def read_into(self, key: str, start: int, out: torch.Tensor) -> None:
+        """Elements [start, start + out.numel()) of tensor `key` flattened, into `out` (1-D): read straight into its
+        memory when it is a contiguous CPU tensor of the stored dtype, else through a scratch buffer of at most
+        READ_CHUNK_NUMEL elements, cast as `copy_` casts; so a read never holds a second copy of the range."""
+        entry = self._entries[key]
+        dtype, count = self._TORCH_DTYPES[entry["dtype"]], out.numel()
+        numel = 1
+        for d in entry["shape"]:
+            numel *= d
+        if not 0 <= start <= start + count <= numel:
+            raise ValueError(f"{self.path}: elements [{start}, {start + count}) are outside tensor {key!r} "
+                             f"({numel} elements)")
+        if out.dtype == dtype and out.is_contiguous() and out.device.type == "cpu":
+            self._read_bytes(key, start, out.view(torch.uint8) if count else out)
+            return
+        for i in range(0, count, READ_CHUNK_NUMEL):
+            n = min(READ_CHUNK_NUMEL, count - i)
+            out[i:i + n].copy_(self._pread(key, start + i, n))
+
     def _pread(self, key: str, start: int, count: int) -> torch.Tensor:
         """`count` elements of tensor `key` from flat element `start`, read into a fresh (count,) tensor."""
+        dtype = self._TORCH_DTYPES[self._entries[key]["dtype"]]
+        out = torch.empty(count * torch.empty((), dtype=dtype).element_size(), dtype=torch.uint8)
+        self._read_bytes(key, start, out)
+        return out.view(dtype)
+
+    def _read_bytes(self, key: str, start: int, out: torch.Tensor) -> None:
+        """out (uint8, contiguous) := the bytes of tensor `key` from its flat element `start` on: every read ends
+        here, one `readinto`."""
         entry = self._entries[key]
-        dtype = self._TORCH_DTYPES[entry["dtype"]]
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        out = torch.empty(count * itemsize, dtype=torch.uint8)
+        itemsize = torch.empty((), dtype=self._TORCH_DTYPES[entry["dtype"]]).element_size()
         self._file.seek(self._data_start + entry["data_offsets"][0] + start * itemsize)
         if out.numel() and self._file.readinto(memoryview(out.numpy())) != out.numel():
             raise ValueError(f"{self.path}: tensor {key!r} is cut short (truncated file?)")
-        return out.view(dtype)
 
 
 class _RowSlice:

@@ -1,4 +1,4 @@
-"""Loading: verify every file, plan which pieces each rank reads (any saved world size), install.
+"""Loading: check every file, key and piece (any saved world size), then install one piece at a time.
 
 [Note: loading]
 Loading needs one collective. Every rank reads current.json and meta.json (checked against the
@@ -6,14 +6,21 @@ pointer's digest) and checks the rank files it reads slices of and rank file i f
 i % world_size == rank; rank 0 checks the model file (saved as Hugging Face shards, format.py
 [Note: sharded model files]: model file j of the K shards and their index, rank j % world_size),
 and a rank whose read of one fails checks them all, to name a corruption rather than its symptom;
-so each file is checked by some rank without every rank reading every file. One all-gather of the
-verdicts, and of which snapshot each rank read, lets every rank raise the same ValueError — naming
-the file or the parameter — before anything is written into the engine and before a later
-collective could hang; ranks that read different snapshots refuse too. Shards are read as one file
-would be, each key from the shard whose header holds it. Of the model a rank reads, a tensor slice
-at a time, only the range of each flat param it keeps (`engine.kept_range`: its shard at stage 3,
-so 4Ψ/N bytes, all 4Ψ at stages 0-2, whose params are whole); the stage's `load_flat_params` writes
-them into its own storage, and this rank's masters and optimizer state are installed.
+so each file is checked by some rank without every rank reading every file. Every rank also checks,
+from the headers alone, every key and shape of the model file and that the saved pieces cover each
+of its masters and states. One all-gather of the verdicts, and of which snapshot each rank read,
+lets every rank raise the same ValueError — naming the file or the parameter — before anything is
+read into or written to the engine and before a later collective could hang; ranks that read
+different snapshots refuse too. Only then is anything read, and each piece is installed as it
+arrives: of the model a rank reads, a tensor slice at a time, only the range of each flat param it
+keeps (`engine.kept_range`: its shard at stage 3, so 4Ψ/N bytes, all 4Ψ at stages 0-2, whose params
+are whole), which the stage's `load_flat_params` writes into its own storage before the next is
+read; then each master's values and optimizer states, one master at a time. So a load holds one
+flat param's range or one master's states beside the engine, never the model (the simulated load
+phase of `zerokit memory --simulate` measures it). Shards are read as one file would be, each key
+from the shard whose header holds it. What is read after the verdict was checked (sha256, keys,
+ranges), so a read fails there only if a file changed during the load; the error then says the
+engine is partly loaded.
 
 [Note: hyperparameters]
 A load restores each parameter's saved numeric hyperparameters (lr, betas, eps, ...), as torch's
@@ -45,14 +52,10 @@ from zerokit.checkpoint.format import (
 
 @dataclass
 class _Plan:
-    """Everything read and checked, ready to be installed without further I/O."""
+    """Everything checked and nothing read: where `_install` reads each value from, one at a time."""
 
     meta: dict
-    flats: list[torch.Tensor] = field(default_factory=list)  # (padded_numel,) fp32 per flat param
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    masters: list[torch.Tensor] = field(default_factory=list)  # like optimizer.master_shards
-    states: list[dict[str, torch.Tensor]] = field(default_factory=list)  # like master_shards
-    owned_states: list[dict[str, torch.Tensor]] = field(default_factory=list)  # like optimizer.owned()
+    path: str  # the snapshot directory
     hyper: list[dict] = field(default_factory=list)  # per optimizer param group
     hyper_changes: list[str] = field(default_factory=list)  # "key old -> new for 'name' ...", for the warning
 
@@ -74,7 +77,7 @@ def load(engine, directory: str | os.PathLike) -> dict:
     engine.finish_backward()
     plan, snapshot, problems = None, None, []
     try:
-        plan, snapshot = _read(engine, directory)
+        plan, snapshot = _check(engine, directory)
     except Exception as exc:  # every rank must hear about it before anyone moves on
         problems.append(f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc))
     what = f"cannot load checkpoint {directory}"
@@ -135,9 +138,9 @@ def _open_safetensors(path: str):
 
 
 class _ModelFiles:
-    """A snapshot's model file(s) read as one: `keys()`, `get_slice(key)`, `get_tensor(key)` from whichever
-    file's header holds the key (every file's header is read; no data until asked); `path` names them all,
-    `path_of(key)` the one holding the key."""
+    """A snapshot's model file(s) read as one: `keys()`, `get_slice(key)`, `get_tensor(key)`, `read_into`, `dtype`,
+    from whichever file's header holds the key (every file's header is read; no data until asked); `path`
+    names them all, `path_of(key)` the one holding the key."""
 
     def __init__(self, directory: str, names: list[str], stack: contextlib.ExitStack):
         self.paths = [os.path.join(directory, name) for name in names]
@@ -167,6 +170,12 @@ class _ModelFiles:
     def get_tensor(self, key: str) -> torch.Tensor:
         return self._file_of[key].get_tensor(key)
 
+    def read_into(self, key: str, start: int, out: torch.Tensor) -> None:
+        self._file_of[key].read_into(key, start, out)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._file_of[key].dtype(key)
+
 
 @contextlib.contextmanager
 def _open_model(directory: str, meta: dict):
@@ -177,7 +186,8 @@ def _open_model(directory: str, meta: dict):
 
 
 # ====================================================================== verify and plan
-def _read(engine, directory: str) -> tuple[_Plan, Snapshot]:
+def _check(engine, directory: str) -> tuple[_Plan, Snapshot]:
+    """Every file's record and every key, shape and piece this rank will read, checked; no tensor data read."""
     snapshot = open_checkpoint(directory)
     meta, meta_path = snapshot.meta, snapshot.meta_path
     mine = engine.optimizer.name
@@ -199,15 +209,15 @@ def _read(engine, directory: str) -> tuple[_Plan, Snapshot]:
         verify(model[j])
     for r in range(engine.rank, n_saved, engine.world_size):
         verify(rank_file(r, n_saved))
-    plan = _Plan(meta)
+    plan = _Plan(meta, snapshot.path)
     try:
-        _read_model_file(engine, snapshot.path, meta, plan)
+        _check_model_file(engine, snapshot.path, meta)
     except Exception:
         for name in model:  # another rank checks them, but a corruption may be what broke this rank's read: name it
             verify(name)
         raise
     try:
-        used = _read_rank_files(engine, snapshot.path, meta, plan)
+        used = _read_rank_files(engine, snapshot.path, meta)  # no install: the pieces' coverage only
     except Exception:
         # Every rank opens every rank file's header; one another rank checks may be what broke
         # the read: name the corruption rather than its symptom.
@@ -220,9 +230,8 @@ def _read(engine, directory: str) -> tuple[_Plan, Snapshot]:
     return plan, snapshot
 
 
-def _read_model_file(engine, directory: str, meta: dict, plan: _Plan) -> None:
-    """Each flat param's range this rank keeps (`engine.kept_range`: its shard at stage 3, all of it below), read
-    from the model file a tensor slice at a time, every shape checked first; the buffers whole."""
+def _check_model_file(engine, directory: str, meta: dict) -> None:
+    """Every key of the model file(s) against this model, and every shape, from the headers alone."""
     aliases = meta["aliases"]
     expected = engine.module.state_dict(keep_vars=True)  # names and shapes only (stage 3: no data)
     with _open_model(directory, meta) as f:
@@ -236,50 +245,47 @@ def _read_model_file(engine, directory: str, meta: dict, plan: _Plan) -> None:
             raise ValueError(f"{path} does not match this model: missing {missing[:5]}"
                              f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
                              f"{' ...' if len(unexpected) > 5 else ''}")
-        for name, t in expected.items():  # every shape, before any tensor is read
+        for name, t in expected.items():
             shape = tuple(f.get_slice(aliases.get(name, name)).get_shape())
             if shape != tuple(t.shape):
                 raise ValueError(f"{f.path_of(aliases.get(name, name))}: {name!r} has shape {shape} in the "
                                  f"checkpoint, {tuple(t.shape)} in this model")
 
-        param_ids = set()
-        for fp in engine.flat_params:
-            lo, hi = engine.kept_range(fp)
-            # (hi - lo,) padding stays zero; a quantized base's bytes stay bytes (core/flat_param.py)
-            kept = torch.zeros(hi - lo, dtype=fp.values_dtype)
-            for j, (names, offset, numel, p) in enumerate(zip(fp.names, fp.layout.offsets, fp.layout.numels,
-                                                              fp.params)):
-                param_ids.add(id(p))
-                a, b = max(lo, offset), min(hi, offset + numel)
-                if a < b:
-                    key = aliases.get(names[0], names[0])
-                    kept[a - lo:b - lo] = _read_param_range(f, key, fp, j, a - offset, b - offset)
-            plan.flats.append(kept)
-        for name, t in expected.items():
-            if id(t) not in param_ids and name not in plan.buffers:
-                plan.buffers[name] = f.get_tensor(aliases.get(name, name))
+
+def kept_ranges(engine, f, aliases: dict[str, str]):
+    """Each flat param's range this rank keeps (`engine.kept_range`: its shard at stage 3, all of it below), in
+    the values dtype, read from the model file(s) `f` a tensor slice at a time: a generator, so that
+    `engine.load_flat_params` holds one flat param's range at a time, never the model."""
+    for fp in engine.flat_params:
+        lo, hi = engine.kept_range(fp)
+        # (hi - lo,) padding stays zero; a quantized base's bytes stay bytes (core/flat_param.py)
+        kept = torch.zeros(hi - lo, dtype=fp.values_dtype)
+        for j, (names, offset, numel) in enumerate(zip(fp.names, fp.layout.offsets, fp.layout.numels)):
+            a, b = max(lo, offset), min(hi, offset + numel)
+            if a < b:
+                key = aliases.get(names[0], names[0])
+                _read_param_range(f, key, fp, j, a - offset, b - offset, out=kept[a - lo:b - lo])
+        yield kept
 
 
-def _read_param_range(f, key: str, fp, j: int, a: int, b: int) -> torch.Tensor:
+def buffer_names(engine) -> list[str]:
+    """The module's state_dict keys that are no flat param's parameter (buffers, under each of their names)."""
+    in_flat = {id(p) for fp in engine.flat_params for p in fp.params}
+    return [name for name, t in engine.module.state_dict(keep_vars=True).items() if id(t) not in in_flat]
+
+
+def _read_param_range(f, key: str, fp, j: int, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Elements [a, b) of params[j]'s range of flat param `fp`, from the stored tensor `key` (its logical
-    values): `_read_flat_range`, or, for a parameter that keeps its strides (core/flat_param.py [Note:
-    parameters keep their strides]), the whole tensor rearranged into the range's order, then sliced."""
-    if fp.strides[j] is None:
-        return _read_flat_range(f, key, fp.layout.shapes[j], a, b)
-    return fp.to_storage_order(j, f.get_tensor(key).reshape(-1))[a:b]
-
-
-def _read_flat_range(f, key: str, shape: tuple[int, ...], a: int, b: int) -> torch.Tensor:
-    """Elements [a, b) of the stored tensor `key` (of `shape`), flattened: (b - a,). Reads the rows of its first
-    dimension that hold them (safetensors slices by dimension), never the rest of the tensor."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    if not shape or (a == 0 and b == numel):
-        return f.get_tensor(key).reshape(-1)
-    row = numel // shape[0]  # elements per index of the first dimension
-    first, last = a // row, (b - 1) // row + 1
-    return f.get_slice(key)[first:last].reshape(-1)[a - first * row:b - first * row]
+    values): exactly those elements read (into `out`, (b - a,), when given: no second copy), or, for a
+    parameter that keeps its strides (core/flat_param.py [Note: parameters keep their strides]), the whole
+    tensor rearranged into the range's order, then sliced."""
+    if fp.strides[j] is not None:
+        value = fp.to_storage_order(j, f.get_tensor(key).reshape(-1))[a:b]
+        return value if out is None else out.copy_(value)
+    if out is None:
+        out = torch.empty(b - a, dtype=f.dtype(key))
+    f.read_into(key, a, out)
+    return out
 
 
 def _refuse_quantization_mismatch(path: str, meta: dict, engine, missing: list[str], unexpected: list[str]) -> None:
@@ -300,10 +306,16 @@ def _refuse_quantization_mismatch(path: str, meta: dict, engine, missing: list[s
                                  f"checkpoint and as {mine} in this model; quantize the model the same way")
 
 
-def _read_rank_files(engine, directory: str, meta: dict, plan: _Plan) -> set[int]:
-    """Assemble this rank's masters and optimizer states from whichever saved pieces overlap them.
+def _read_rank_files(engine, directory: str, meta: dict, install=None, ranks=None) -> set[int]:
+    """This rank's masters and optimizer states, from whichever saved pieces overlap them.
 
-    Returns the saved ranks whose files it read tensor data from (every file's header is read).
+    Without `install`: checks that the pieces cover every master and state (their keys and ranges
+    alone) and reads no tensor data. With `install` = (master_fn, owned_fn): reads one master's
+    values and states at a time and hands them to master_fn(master, values, states) (the
+    whole-parameter path's states to owned_fn(own, states)), so only one master's pieces are alive
+    beside the engine's. `ranks`: the saved ranks whose files are opened (default all; a simulated
+    rank has only its own). Returns the saved ranks whose files it reads tensor data from (every
+    opened file's header is read).
     """
     n_saved = int(meta["world_size"])
     kinds: dict[str, str] = meta["optimizer"]["state"]
@@ -311,16 +323,18 @@ def _read_rank_files(engine, directory: str, meta: dict, plan: _Plan) -> set[int
     index: dict[tuple[str, str], list[tuple[int, int, int, str]]] = {}  # (kind, name) -> [(start, end, r, key)]
     paths = [os.path.join(directory, rank_file(r, n_saved)) for r in range(n_saved)]
     used: set[int] = set()
+    reading = install is not None
     with contextlib.ExitStack() as stack:
-        files = []
-        for r, path in enumerate(paths):
-            if not os.path.isfile(path):
-                raise ValueError(f"{path} is missing: the checkpoint was written by {n_saved} ranks and every "
+        files: dict[int, SafetensorsReader] = {}
+        keys: dict[int, set[str]] = {}
+        for r in (range(n_saved) if ranks is None else ranks):
+            if not os.path.isfile(paths[r]):
+                raise ValueError(f"{paths[r]} is missing: the checkpoint was written by {n_saved} ranks and every "
                                  "rank file is needed")
-            f = stack.enter_context(_open_safetensors(path))
-            files.append(f)
+            f = files[r] = stack.enter_context(_open_safetensors(paths[r]))
+            keys[r] = set(f.keys())
             for key in f.keys():
-                kind, name, start, end = parse_piece_key(key, meta["params"], path)
+                kind, name, start, end = parse_piece_key(key, meta["params"], paths[r])
                 index.setdefault((kind, name), []).append((start, end, r, key))
         # Scalar states (Adam's step) are equal for every master, since all of them step
         # together; a master holding only padding takes them from the first master piece.
@@ -333,15 +347,15 @@ def _read_rank_files(engine, directory: str, meta: dict, plan: _Plan) -> set[int
                              "optim/whole_params.py); this engine steps flat shards: load it into an engine whose "
                              "optimizer class is not declared elementwise")
         if whole:
-            plan.owned_states = _read_owned_states(engine, kinds, index, files, paths, aliases, used,
-                                                   meta["params"])
+            used |= _read_owned_states(engine, kinds, index, files, paths, aliases, meta["params"],
+                                       install[1] if reading else None)
             kinds = {}  # the masters carry no state on this path
         for fp, master in trainable_with_masters(engine):
             base = master_start(fp, master)
             size = master.numel()
-            values = torch.zeros(size, dtype=master.dtype)  # (master numel,) padding stays zero; fp32 or float64
-            states = {key: torch.zeros(size, dtype=master.dtype) for key, kind in kinds.items()
-                      if kind == "elementwise"}  # (master numel,) each
+            zeros = (lambda: torch.zeros(size, dtype=master.dtype)) if reading else (lambda: None)
+            values = zeros()  # (master numel,) padding stays zero; fp32 or float64
+            states = {key: zeros() for key, kind in kinds.items() if kind == "elementwise"}  # (master numel,) each
             scalar_source = None  # (start, end, rank, key) of a master piece this master overlaps
             for i, (offset, numel) in enumerate(zip(fp.layout.offsets, fp.layout.numels)):
                 lo, hi = max(base, offset), min(base + size, offset + numel)
@@ -349,14 +363,15 @@ def _read_rank_files(engine, directory: str, meta: dict, plan: _Plan) -> set[int
                     continue
                 a, b = lo - offset, hi - offset  # the part of parameter i this master holds
                 at = lo - base  # ... and where it sits in the master
+                part = (lambda t: t[at:at + b - a]) if reading else (lambda t: None)
                 name = aliases.get(fp.names[i][0], fp.names[i][0])
                 pieces = index.get((MASTER, name), [])
                 saved = meta["params"].get(name, {}).get("stride")  # None: saved contiguous
                 fill = _fill if (tuple(saved) if saved else None) == fp.strides[i] else \
                     functools.partial(_fill_restrided, fp=fp, j=i, saved=tuple(saved) if saved else None)
-                used |= fill(values[at:at + b - a], pieces, a, b, files, paths, name, MASTER)
+                used |= fill(part(values), pieces, a, b, files, paths, name, MASTER)
                 for key, tensor in states.items():
-                    used |= fill(tensor[at:at + b - a], index.get((f"state.{key}", name), []), a, b, files, paths,
+                    used |= fill(part(tensor), index.get((f"state.{key}", name), []), a, b, files, paths,
                                  name, f"state.{key}")
                 if scalar_source is None:
                     scalar_source = next((pc for pc in pieces if pc[0] < b and pc[1] > a), None)
@@ -368,22 +383,23 @@ def _read_rank_files(engine, directory: str, meta: dict, plan: _Plan) -> set[int
                     _s, _e, r, master_key = scalar_source
                     used.add(r)
                     state_key = f"state.{key}" + master_key[len(MASTER):]  # same name and range
-                    try:
+                    if state_key not in keys[r]:
+                        raise ValueError(f"{paths[r]}: optimizer state {state_key!r} is missing")
+                    if reading:
                         states[key] = files[r].get_tensor(state_key)
-                    except Exception as exc:
-                        raise ValueError(f"{paths[r]}: optimizer state {state_key!r} is missing ({exc})") from exc
-            plan.masters.append(values)
-            plan.states.append(states)
+            if reading:
+                install[0](master, values, states)
     return used
 
 
-def _read_owned_states(engine, kinds: dict[str, str], index: dict, files, paths, aliases, used: set[int],
-                       meta_params: dict) -> list:
+def _read_owned_states(engine, kinds: dict[str, str], index: dict, files, paths, aliases, meta_params: dict,
+                       install=None) -> set[int]:
     """The whole-parameter path's states of each parameter this rank owns (optim/whole_params.py): elementwise
     ones assembled from whichever saved pieces cover the parameter (saved by either path), scalar and whole
-    ones from any file holding the parameter's."""
+    ones from any file holding the parameter's; each parameter's handed to install(own, states) as it is read
+    (without `install`: checked, not read). Returns the saved ranks whose files hold them."""
     fps = [fp for fp, _m in trainable_with_masters(engine)]
-    out = []
+    used: set[int] = set()
     for own in engine.optimizer.owned():
         fp = fps[own.buffer]
         name = aliases.get(fp.names[own.index][0], fp.names[own.index][0])
@@ -394,53 +410,57 @@ def _read_owned_states(engine, kinds: dict[str, str], index: dict, files, paths,
             if not pieces:  # a key other parameters have (Adafactor: "variance" for vectors, row/col_var for
                 continue    # matrices), or a parameter not yet stepped
             if kind == "elementwise":  # saved in the saving model's storage order: made logical, then strided
-                flat = torch.zeros(own.numel, dtype=own.tensor.dtype)  # like this parameter again
+                flat = torch.zeros(own.numel, dtype=own.tensor.dtype) if install else None  # like this parameter
                 used |= _fill(flat, pieces, 0, own.numel, files, paths, name, f"state.{key}")
-                saved = meta_params.get(name, {}).get("stride")
-                logical = flat if not saved else flat.as_strided(shape, tuple(saved)).reshape(-1)
-                states[key] = torch.empty_like(own.tensor).copy_(logical.view(shape))
+                if install:
+                    saved = meta_params.get(name, {}).get("stride")
+                    logical = flat if not saved else flat.as_strided(shape, tuple(saved)).reshape(-1)
+                    states[key] = torch.empty_like(own.tensor).copy_(logical.view(shape))
             else:
                 _s, _e, r, piece = pieces[0]
                 used.add(r)
-                states[key] = files[r].get_tensor(piece)
-                if kind in ("int", "float"):  # a Python number (format.py `state_kinds`)
-                    states[key] = int(states[key].item()) if kind == "int" else float(states[key].item())
-        out.append(states)
-    return out
+                if install:
+                    states[key] = files[r].get_tensor(piece)
+                    if kind in ("int", "float"):  # a Python number (format.py `state_kinds`)
+                        states[key] = int(states[key].item()) if kind == "int" else float(states[key].item())
+        if install:
+            install(own, states)
+    return used
 
 
-def _fill_restrided(out: torch.Tensor, pieces: list, a: int, b: int, files, paths, name: str, kind: str, *, fp, j: int,
-                    saved: tuple[int, ...] | None) -> set[int]:
+def _fill_restrided(out: torch.Tensor | None, pieces: list, a: int, b: int, files, paths, name: str, kind: str, *,
+                    fp, j: int, saved: tuple[int, ...] | None) -> set[int]:
     """`_fill` for a parameter saved with other strides than params[j] of `fp` has (a channels_last checkpoint
     into a contiguous model, or back): the pieces hold its elements in the saving model's storage order, so
     the whole parameter is read, put in logical order, then in this model's (core/flat_param.py [Note:
     parameters keep their strides]), and [a, b) of that is kept."""
     shape, numel = fp.layout.shapes[j], fp.layout.numels[j]
-    whole = torch.empty(numel, dtype=out.dtype)
+    whole = None if out is None else torch.empty(numel, dtype=out.dtype)
     used = _fill(whole, pieces, 0, numel, files, paths, name, kind)
-    logical = whole if saved is None else whole.as_strided(shape, saved).reshape(-1)
-    out.copy_(fp.to_storage_order(j, logical)[a:b])
+    if out is not None:
+        logical = whole if saved is None else whole.as_strided(shape, saved).reshape(-1)
+        out.copy_(fp.to_storage_order(j, logical)[a:b])
     return used
 
 
-def _fill(out: torch.Tensor, pieces: list, a: int, b: int, files, paths, name: str, kind: str) -> set[int]:
-    """out[:] = elements [a, b) of `name`'s `kind`, copied from the overlapping saved pieces; returns their ranks."""
-    covered = torch.zeros(b - a, dtype=torch.bool)
-    used = set()
-    for start, end, r, key in pieces:
-        lo, hi = max(a, start), min(b, end)
-        if lo >= hi:
-            continue
-        sl = files[r].get_slice(key)
-        out[lo - a:hi - a] = sl[lo - start:hi - start]  # reads only this sub-range from disk
-        covered[lo - a:hi - a] = True
-        used.add(r)
-    if not bool(covered.all()):
-        first = int((~covered).nonzero()[0]) + a
+def _fill(out: torch.Tensor | None, pieces: list, a: int, b: int, files, paths, name: str, kind: str) -> set[int]:
+    """out[:] = elements [a, b) of `name`'s `kind`, copied from the overlapping saved pieces; returns their ranks.
+    The pieces' ranges must cover [a, b) (checked before any read); `out` None: only that check."""
+    spans = sorted((max(a, start), min(b, end), start, r, key) for start, end, r, key in pieces
+                   if max(a, start) < min(b, end))
+    reach = a  # [a, reach) is covered by the spans so far
+    for lo, hi, *_ in spans:
+        if lo > reach:
+            break
+        reach = max(reach, hi)
+    if reach < b:
         raise ValueError(f"{kind} of parameter {name!r}: elements [{a}, {b}) are not all in the rank files "
-                         f"({os.path.dirname(paths[0])}/rank*-of-{len(paths)}.safetensors); element {first} is "
+                         f"({os.path.dirname(paths[0])}/rank*-of-{len(paths)}.safetensors); element {reach} is "
                          "missing")
-    return used
+    if out is not None:
+        for lo, hi, start, r, key in spans:
+            files[r].read_into(key, lo - start, out[lo - a:hi - a])  # reads only this sub-range, into `out`
+    return {r for *_, r, _key in spans}
 
 
 def _match_hyperparameters(engine, meta: dict, meta_path: str) -> tuple[list[dict], list[str]]:
@@ -486,31 +506,47 @@ def _match_hyperparameters(engine, meta: dict, meta_path: str) -> tuple[list[dic
 
 
 # ====================================================================== install
-def _install(engine, plan: _Plan) -> None:
-    """Write what `_read` assembled into the engine. No I/O, no collective."""
-    with torch.no_grad():
-        engine.load_flat_params(plan.flats)  # the stage's own storage: whole buffers, or shards
-        module_state = engine.module.state_dict(keep_vars=True)
-        for name, value in plan.buffers.items():
-            module_state[name].copy_(value)
-        optimizer = engine.optimizer
-        for group, hyper in zip(optimizer.param_groups, plan.hyper):  # first: `fused` below reads the saved flags
-            for key, value in hyper.items():
-                if key in group:
-                    group[key] = value
-        fused = {id(m): bool(g.get("fused") or g.get("capturable")) for g in optimizer.param_groups
-                 for m in g["params"]}
-        for (_fp, master), values, states in zip(trainable_with_masters(engine), plan.masters, plan.states):
-            master.copy_(values)  # fp32 master (under fp32 the param shard itself)
-            optimizer.set_state(master, {
-                key: (t.to(master.device, master.dtype) if t.dim() > 0
-                      else t.to(master.device) if fused[id(master)] else t.clone())
-                for key, t in states.items()})
-        for own, states in zip(optimizer.owned(), plan.owned_states):  # the whole-parameter path's
-            optimizer.optimizer.state[own.tensor] = {
-                key: t if not torch.is_tensor(t) else (t.to(own.tensor.device, own.tensor.dtype) if t.dim() > 0
-                      else t.to(own.tensor.device) if fused[id(own.tensor)] else t.clone())
-                for key, t in states.items()}
+def _install(engine, plan: _Plan, ranks=None) -> None:
+    """Read what `_check` checked and write it into the engine, one flat param, buffer and master at a time
+    (at most one flat param's range, or one master's values and states, is alive beside the engine's). No
+    collective. `ranks`: the saved ranks whose files are opened (`_read_rank_files`).
+
+    The files were checked before (their sha256, every key, shape and piece), so a read fails here only if
+    a file changed or vanished during the load; the engine is then partly loaded, which the error says."""
+    meta, optimizer = plan.meta, engine.optimizer
+    try:
+        with torch.no_grad():
+            with _open_model(plan.path, meta) as f:
+                engine.load_flat_params(kept_ranges(engine, f, meta["aliases"]))  # the stage's own storage
+                module_state = engine.module.state_dict(keep_vars=True)
+                for name in buffer_names(engine):
+                    module_state[name].copy_(f.get_tensor(meta["aliases"].get(name, name)))
+            for group, hyper in zip(optimizer.param_groups, plan.hyper):  # first: `fused` below reads the saved
+                for key, value in hyper.items():                          # flags
+                    if key in group:
+                        group[key] = value
+            fused = {id(m): bool(g.get("fused") or g.get("capturable")) for g in optimizer.param_groups
+                     for m in g["params"]}
+
+            def to_state(t, like: torch.Tensor):
+                if not torch.is_tensor(t):
+                    return t  # a Python number (HF Adafactor's step)
+                if t.dim() > 0:
+                    return t.to(like.device, like.dtype)
+                return t.to(like.device) if fused[id(like)] else t.clone()
+
+            def master_states(master, values, states):
+                master.copy_(values)  # fp32 master (under fp32 the param shard itself)
+                optimizer.set_state(master, {key: to_state(t, master) for key, t in states.items()})
+
+            def owned_states(own, states):  # the whole-parameter path's
+                optimizer.optimizer.state[own.tensor] = {key: to_state(t, own.tensor) for key, t in states.items()}
+
+            _read_rank_files(engine, plan.path, meta, install=(master_states, owned_states), ranks=ranks)
+    except Exception as exc:
+        raise RuntimeError(f"loading {plan.path}: a file checked at the start of the load could not be read while "
+                           f"installing it ({type(exc).__name__}: {exc}); the engine is partly loaded: load a "
+                           "checkpoint again before training") from exc
     if engine.loss_scaler is not None and plan.meta.get("loss_scaler") is not None:
         engine.loss_scaler.load_state_dict(plan.meta["loss_scaler"])
     engine.zero_grad()  # also forgets a clip coefficient computed before the load

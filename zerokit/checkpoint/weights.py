@@ -49,7 +49,7 @@ from zerokit.checkpoint.commit import raise_if_any
 from zerokit.checkpoint.format import (
     MODEL_FILE, MODEL_INDEX_FILE, POINTER_FILE, SafetensorsReader, master_start, open_checkpoint,
     trainable_with_masters)
-from zerokit.checkpoint.loading import _read_param_range
+from zerokit.checkpoint.loading import _read_param_range, buffer_names
 from zerokit.core.flat_param import is_packed
 from zerokit.quant import quantize_range
 
@@ -86,51 +86,58 @@ def weight_files(path: str | os.PathLike) -> dict[str, str]:
 def load_weights(engine, path: str | os.PathLike, strict: bool = True) -> dict[str, list[str]]:
     """[Note: loading pretrained weights]. A collective (one verdict exchange); returns the keys it kept
     ("missing": LoRA adapters left as they were; "unexpected": keys ignored under strict=False)."""
-    problems, plan = [], None
+    from zerokit.lora import lora_modules
+
+    adapters = {f"{prefix}.{name}" for prefix in lora_modules(engine.module) for name in ("lora_A", "lora_B")}
+    problems, checked, files = [], None, {}
     try:
-        plan = _plan(engine, path, strict)
-    except (ValueError, OSError) as exc:
-        problems.append(str(exc))
-    raise_if_any(engine, problems, f"load_weights({os.fspath(path)!r})")
-    kept, buffers, report = plan
-    with torch.no_grad():
-        engine.load_flat_params(kept)
-        module_state = engine.module.state_dict(keep_vars=True)
-        for name, value in buffers.items():
-            module_state[name].copy_(value)
-        for fp, master in trainable_with_masters(engine):  # kept[i] is flat param i's (fp.index: its position)
-            lo, _hi = engine.kept_range(fp)
-            at = master_start(fp, master) - lo
-            master.copy_(kept[fp.index][at:at + master.numel()])  # fp32, exact (fp32: the param shard)
-        engine.optimizer.clear_states()  # as before a first step
+        try:
+            where = weight_files(path)
+            checked = _check(engine, path, strict, where, adapters, _opener(files))
+        except (ValueError, OSError) as exc:
+            problems.append(str(exc))
+        raise_if_any(engine, problems, f"load_weights({os.fspath(path)!r})")
+        source, missing, buffers, report = checked
+        masters = dict(trainable_with_masters(engine))
+
+        def kept_ranges():  # one flat param's range at a time, never the model
+            for fp in engine.flat_params:
+                lo, hi = engine.kept_range(fp)
+                kept = _read_range(engine, fp, lo, hi, source=source, missing=missing, where=where,
+                                   handle=_opener(files))
+                master = masters.get(fp)
+                if master is not None:  # fp32, exact, not the params' bf16 rounding (fp32: the param shard)
+                    at = master_start(fp, master) - lo
+                    master.copy_(kept[at:at + master.numel()])
+                yield kept
+
+        with torch.no_grad():
+            engine.load_flat_params(kept_ranges())
+            module_state = engine.module.state_dict(keep_vars=True)
+            for name in buffers:
+                module_state[name].copy_(_opener(files)(where[name]).get_tensor(name))
+            engine.optimizer.clear_states()  # as before a first step
+    finally:
+        for f in files.values():
+            f.__exit__(None, None, None)
     engine.zero_grad()
     return report
 
 
-def _plan(engine, path, strict: bool):
-    """Check every key, then read this rank's ranges: (per flat param its kept range, fp32 (uint8 for packed
-    bytes), buffers, report)."""
-    from zerokit.lora import lora_modules
-
-    where = weight_files(path)
-    adapters = {f"{prefix}.{name}" for prefix in lora_modules(engine.module) for name in ("lora_A", "lora_B")}
-    files: dict[str, object] = {}
-    try:
-        return _read_ranges(engine, path, strict, where, adapters, files)
-    finally:
-        for f in files.values():
-            f.__exit__(None, None, None)
-
-
-def _read_ranges(engine, path, strict: bool, where: dict[str, str], adapters: set[str], files: dict):
+def _opener(files: dict):
+    """file path -> its SafetensorsReader, opened once and kept in `files` (the caller closes them)."""
     def handle(file: str):
         if file not in files:
             if not os.path.isfile(file):
                 raise ValueError(f"{file} (named by {INDEX_FILE}) is missing")
             files[file] = SafetensorsReader(file)  # by byte ranges, not mapped (format.py)
         return files[file]
+    return handle
 
-    # 1. every key and shape, before any value is read
+
+def _check(engine, path, strict: bool, where: dict[str, str], adapters: set[str], handle):
+    """Every key, shape and dtype, from the files' headers, before any value is read: (names[0] -> (key, how) of
+    each parameter the files provide, the parameters they lack, the buffer keys they hold, report)."""
     source, missing, known = {}, [], set()  # names[0] -> (key, how); names nothing provides
     for fp in engine.flat_params:
         for names, shape, p in zip(fp.names, fp.layout.shapes, fp.params):
@@ -152,8 +159,7 @@ def _read_ranges(engine, path, strict: bool, where: dict[str, str], adapters: se
             if stored != tuple(shape):
                 raise ValueError(f"{where[key]}: {key!r} has shape {stored}, this model's is {tuple(shape)}")
             source[names[0]] = (key, "as is")
-    in_flat = {id(p) for fp in engine.flat_params for p in fp.params}
-    buffer_keys = {name for name, t in engine.module.state_dict(keep_vars=True).items() if id(t) not in in_flat}
+    buffer_keys = set(buffer_names(engine))
     known |= buffer_keys
     refused = [m for m in missing if m not in adapters]
     if refused:
@@ -164,36 +170,35 @@ def _read_ranges(engine, path, strict: bool, where: dict[str, str], adapters: se
         raise ValueError(f"{where[unexpected[0]]} holds {len(unexpected)} key(s) this model does not have: "
                          + ", ".join(repr(k) for k in unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
                          + " (load_weights(..., strict=False) ignores them)")
-    # 2. this rank's range of each flat param; a missing adapter keeps its current values
-    kept = []
-    for fp in engine.flat_params:
-        lo, hi = engine.kept_range(fp)
-        out = _current_range(engine, fp, lo, hi) if any(n[0] in missing for n in fp.names) else \
-            torch.zeros(hi - lo, dtype=fp.values_dtype)
-        for j, (names, offset, numel, shape, p) in enumerate(zip(fp.names, fp.layout.offsets, fp.layout.numels,
-                                                                 fp.layout.shapes, fp.params)):
-            a, b = max(lo, offset), min(hi, offset + numel)
-            if a < b and names[0] in source:
-                key, how = source[names[0]]
-                f = handle(where[key])
-                if how == "quantize":  # bytes [a, b) of this weight's quantization, from the blocks they need
-                    value = quantize_range(functools.partial(_weight_elements, f, key, p.zerokit_packed),
-                                           p.zerokit_packed, a - offset, b - offset)
-                elif how == "bytes":
-                    value = f.read_elements(key, a - offset, b - offset)
-                else:
-                    value = _read_param_range(f, key, fp, j, a - offset, b - offset)  # in the range's order
-                out[a - lo:b - lo] = value
-        kept.append(out)
-    buffers = {}
     module_state = engine.module.state_dict(keep_vars=True)
-    for name in sorted(buffer_keys & where.keys()):
-        value = handle(where[name]).get_tensor(name)
-        if tuple(value.shape) != tuple(module_state[name].shape):
-            raise ValueError(f"{where[name]}: {name!r} has shape {tuple(value.shape)}, this model's is "
+    buffers = sorted(buffer_keys & where.keys())
+    for name in buffers:
+        stored = tuple(handle(where[name]).get_slice(name).get_shape())
+        if stored != tuple(module_state[name].shape):
+            raise ValueError(f"{where[name]}: {name!r} has shape {stored}, this model's is "
                              f"{tuple(module_state[name].shape)}")
-        buffers[name] = value
-    return kept, buffers, {"missing": sorted(set(missing)), "unexpected": unexpected}
+    return source, set(missing), buffers, {"missing": sorted(set(missing)), "unexpected": unexpected}
+
+
+def _read_range(engine, fp, lo: int, hi: int, *, source: dict, missing: set[str], where: dict[str, str], handle
+                ) -> torch.Tensor:
+    """Elements [lo, hi) of flat param `fp` (within this rank's kept range), in its values dtype (uint8 for a
+    quantized base's bytes), from the files; a missing adapter's elements keep their current values."""
+    out = _current_range(engine, fp, lo, hi) if any(n[0] in missing for n in fp.names) else \
+        torch.zeros(hi - lo, dtype=fp.values_dtype)
+    for j, (names, offset, numel, p) in enumerate(zip(fp.names, fp.layout.offsets, fp.layout.numels, fp.params)):
+        a, b = max(lo, offset), min(hi, offset + numel)
+        if a < b and names[0] in source:
+            key, how = source[names[0]]
+            f = handle(where[key])
+            if how == "quantize":  # bytes [a, b) of this weight's quantization, from the blocks they need
+                out[a - lo:b - lo] = quantize_range(functools.partial(_weight_elements, f, key, p.zerokit_packed),
+                                                    p.zerokit_packed, a - offset, b - offset)
+            elif how == "bytes":
+                f.read_into(key, a - offset, out[a - lo:b - lo])
+            else:  # in the range's order, read into it
+                _read_param_range(f, key, fp, j, a - offset, b - offset, out=out[a - lo:b - lo])
+    return out
 
 
 def _quantized_source(names: list[str], spec, where: dict[str, str], handle):
@@ -243,15 +248,17 @@ def _weight_elements(f, key: str, spec, e0: int, e1: int) -> torch.Tensor:
 
 
 def _current_range(engine, fp, lo: int, hi: int) -> torch.Tensor:
-    """The values flat param `fp` holds now over [lo, hi), fp32: from its master where this rank has one (exact),
-    elsewhere from the param storage."""
+    """The values flat param `fp` holds now over [lo, hi) (within this rank's kept range), fp32: from its master
+    where this rank has one (exact), elsewhere from the param storage."""
+    kept_lo, kept_hi = engine.kept_range(fp)
     if engine.stage == 3:
-        out = engine.param_shards[fp.index].detach().to(fp.values_dtype).clone()
+        out = engine.param_shards[fp.index].detach()[lo - kept_lo:hi - kept_lo].to(fp.values_dtype).clone()
     else:
         out = engine.flat_data[fp.index].detach()[lo:hi].to(fp.values_dtype).clone()
-    masters = dict(trainable_with_masters(engine))
-    master = masters.get(fp)
-    if master is not None:
-        at = master_start(fp, master) - lo
-        out[at:at + master.numel()] = master.detach().to(out.dtype)
+    master = dict(trainable_with_masters(engine)).get(fp)
+    if master is not None:  # its part of [lo, hi)
+        m0 = master_start(fp, master)
+        a, b = max(lo, m0), min(hi, m0 + master.numel())
+        if a < b:
+            out[a - lo:b - lo] = master.detach()[a - m0:b - m0].to(out.dtype)
     return out

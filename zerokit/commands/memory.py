@@ -320,15 +320,15 @@ def simulated_save_and_load(engine, meter) -> dict[str, int]:
       at a time and rank 0 streams each into model.safetensors; then this rank writes its rank file
       (its pieces of the fp32 masters and optimizer states). Left out: the commit (meta.json, a few
       kB, and two fsyncs), which needs the other ranks' file records.
-    * "load": the read step of engine.load for the same world size (checkpoint/loading.py
-      `_read_model_file`, into its `_Plan`: the range of each flat param this rank keeps, read a
-      slice at a time from the model file just written, `engine.kept_range`: its shard at stage 3,
-      the whole model at stages 0-2, where params are whole), and this rank's rank file read whole
-      (at the saved world size the only one holding tensor data this rank reads; the others' headers
-      are all `_read_rank_files` would read of them), held together, as the plan is, beside the
-      engine's own states; then the flat params installed (`engine.load_flat_params`, as `_install`
-      does). Left out: the verification of sha256 digests (streamed, a fixed-size buffer) and
-      installing the masters and states, which the rank file holds bit for bit already.
+    * "load": the install step of engine.load for the same world size (checkpoint/loading.py
+      `_install`, the very function it calls): each flat param's range this rank keeps
+      (`engine.kept_range`: its shard at stage 3, the whole flat param at stages 0-2, where params
+      are whole) read a slice at a time from the model file just written and written into the
+      engine's storage, one flat param at a time; then each master's values and optimizer states
+      read from this rank's rank file and installed, one master at a time (at the saved world size
+      the only rank file holding data this rank reads; the others are not opened). Left out: the
+      check before it (headers, and the sha256 digests, streamed through a fixed-size buffer) and the
+      verdict's all-gather.
 
     A phase that gathered or read the whole model (a `state_dict(full=True)` in the save, say) shows
     in its peak: tests/unit/test_memory_phases.py plants exactly that.
@@ -336,11 +336,9 @@ def simulated_save_and_load(engine, meter) -> dict[str, int]:
     import os
     import tempfile
 
-    import torch
-
     from zerokit.checkpoint.commit import _write_model_files, _write_rank_file
-    from zerokit.checkpoint.format import SafetensorsReader, aliases, rank_file, state_kinds
-    from zerokit.checkpoint.loading import _Plan, _read_model_file
+    from zerokit.checkpoint.format import aliases, param_records, rank_file, state_kinds
+    from zerokit.checkpoint.loading import _install, _Plan
 
     with tempfile.TemporaryDirectory(prefix="zerokit-simulated-save-") as directory:
         with meter.phase("save"):
@@ -351,13 +349,9 @@ def simulated_save_and_load(engine, meter) -> dict[str, int]:
                                                                                 aliases(engine.module))
         written = {name: os.path.getsize(os.path.join(directory, name)) for name in files}
         with meter.phase("load"):
-            plan = _Plan({"files": files, "aliases": aliases(engine.module), "params": {}})
-            _read_model_file(engine, directory, plan.meta, plan)
-            with SafetensorsReader(os.path.join(directory, rank_file(engine.rank, engine.world_size))) as f:
-                own = {key: f.get_tensor(key) for key in f.keys()}
-            with torch.no_grad():
-                engine.load_flat_params(plan.flats)
-            del plan, own
+            meta = {"files": files, "aliases": aliases(engine.module), "params": param_records(engine),
+                    "world_size": engine.world_size, "optimizer": {"state": kinds}, "loss_scaler": None}
+            _install(engine, _Plan(meta, directory), ranks=[engine.rank])
     return written
 
 

@@ -53,7 +53,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -547,9 +547,10 @@ class Engine(GradPath, UserGrads):
         checkpoint load reads of it: the whole buffer at stages 0-2."""
         return 0, fp.padded_numel
 
-    def load_flat_params(self, flats: list[torch.Tensor]) -> None:
-        """7. Write loaded values into the stage's storage: flats[i] is flat param i's range `kept_range`, fp32
-        (hi - lo,). Stages 0-2: every rank writes each into its whole flat buffer."""
+    def load_flat_params(self, flats: Iterable[torch.Tensor]) -> None:
+        """7. Write loaded values into the stage's storage: the i-th of `flats` is flat param i's range
+        `kept_range`, fp32 (hi - lo,), each written before the next is taken (a loader streams them: one
+        flat param's range alive at a time). Stages 0-2: every rank writes each into its whole flat buffer."""
         self.finish_backward()
         for fp, full in zip(self.flat_params, flats):
             self.flat_data[fp.index].copy_(full)  # cast to the param dtype; padding is zero in `full`

@@ -32,7 +32,7 @@ Collectives, memory and the device-dependent overlap in detail: docs/stages.md, 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -307,9 +307,9 @@ class Zero3Engine(Checkpointing, Engine):
         """Checkpoint loading reads only this rank's shard range of each flat param."""
         return fp.shard_range
 
-    def load_flat_params(self, flats: list[torch.Tensor]) -> None:
-        """Checkpoint loading: flats[i] is this rank's (shard_numel,) range of flat param i; every unit stays
-        sharded."""
+    def load_flat_params(self, flats: Iterable[torch.Tensor]) -> None:
+        """Checkpoint loading: the i-th of `flats` is this rank's (shard_numel,) range of flat param i, taken
+        one at a time; every unit stays sharded."""
         self.finish_backward()
         reshard_all(self.units)  # the next forward gathers the loaded shards
         for fp, shard in zip(self.flat_params, flats):
