@@ -201,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
              "GB = 10^9 bytes.", "",
              "Save and load are this rank's part of engine.save and engine.load (zerokit/commands/memory.py "
              "[Note: save and resume on a simulated rank]: the consolidated model file streamed one flat param at a "
-             "time and this rank's rank file; then this rank's slices of the model file and its rank file read "
-             "back; the commit and the other N - 1 ranks' files cannot exist in a simulated world).", "",
+             "time and this rank's rank file; then engine.load's install: this rank's range of each flat param read "
+             "from the model file and installed one flat param at a time, then each master's values and states "
+             "from its rank file, one master at a time; the commit and the other N - 1 ranks' files cannot exist "
+             "in a simulated world).", "",
              "| model | N | stage | build | model states GB | bound GB | "
              + " | ".join(f"{k} peak GB (x bound, s)" for k in PHASES) + " | files written GB |",
              "|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|"]
