@@ -14,7 +14,7 @@ import torch
 
 import zerokit as zk
 from common import OddBlock, odd_batch, odd_model
-from zerokit.core.user_grads import ShardedGrad
+from zerokit.core.sharded_tensors import ShardedGrad
 from zerokit.launch import run_ranks
 
 STEPS, BATCH = 3, 3

@@ -16,7 +16,7 @@ from zerokit.core.comm import Comm
 from zerokit.core.config import ShardConfig
 from zerokit.core.partition import padded_numel
 from zerokit.core.precision import make_policy
-from zerokit.core.user_grads import ShardedGrad
+from zerokit.core.sharded_tensors import ShardedGrad
 from zerokit.launch import run_ranks
 from zerokit.stages.zero2 import Zero2Engine
 

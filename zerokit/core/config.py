@@ -18,7 +18,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from zerokit.core.flat_param import ParamGroupFn
 from zerokit.core.tree import REDUCTIONS
 
 DEFAULT_BUCKET_NUMEL = 1 << 22  # the most elements a default bucket holds (4 Mi; 4 bytes each in fp32)
@@ -55,6 +54,7 @@ def default_bucket_numel(trainable_numel: int, stage: int = 2, world_size: int =
 
 ACCUMULATE_POLICIES = ("reduce_scatter", "local")
 
+ParamGroupFn = Callable[[str, nn.Parameter], dict]  # name, param -> optimizer overrides (`param_groups`)
 WrapPolicy = tuple | type | Callable[[nn.Module], bool] | None
 
 

@@ -79,6 +79,8 @@ from dataclasses import asdict, dataclass
 from numbers import Integral
 from typing import Any
 
+from zerokit.core.groups import resolve_shard_group_size
+
 # Analytic formulas only: pure integer arithmetic, no process group, no tensors. What a rank
 # really holds, measured beside these, is core/ledger.py.
 
@@ -181,24 +183,6 @@ def _as_count(value: int | float, name: str) -> int:
 def _check_stage(stage: int) -> None:
     if isinstance(stage, bool) or not isinstance(stage, Integral) or stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-
-
-def resolve_shard_group_size(shard_group_size: int | None, world_size: int) -> int:
-    """S, the ranks one shard group spans: `shard_group_size`, or world_size when it is None (flat sharding).
-
-    Shard groups tile the world, so S must be an int >= 1 dividing world_size; anything else is a
-    ValueError naming both numbers and the divisors to choose from. (core/hybrid.py checks the
-    same when it builds the groups; this copy keeps the formulas free of torch.)
-    """
-    if shard_group_size is None:
-        return world_size
-    if isinstance(shard_group_size, bool) or not isinstance(shard_group_size, Integral) or shard_group_size < 1:
-        raise ValueError(f"shard_group_size must be an int >= 1 (or None: the world size), got {shard_group_size!r}")
-    if world_size % shard_group_size:
-        divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
-        raise ValueError(f"shard_group_size={shard_group_size} does not divide world_size={world_size}: shard groups "
-                         f"tile the world, so pick a divisor of {world_size} ({divisors}), usually the GPUs per node")
-    return int(shard_group_size)
 
 
 def _check_world_size(world_size: int) -> None:

@@ -47,17 +47,17 @@ import torch
 from torch import nn
 
 from zerokit.core.bucketing import plan_buckets
+from zerokit.core.config import ParamGroupFn
 from zerokit.core.materialize import deferred_of, is_deferred
 from zerokit.core.partition import FlatLayout
 from zerokit.core.precision import master_dtype_of
-from zerokit.core.user_grads import ShardedGrad
+from zerokit.core.sharded_tensors import ShardedGrad
 
 # The engine's own reads and writes of `.grad` skip Python-level dispatch: a stage-3 parameter whose
 # unit is sharded routes every attribute through its class's __torch_function__ (core/unit.py [Note:
 # a sharded parameter refuses reads]), a few microseconds each, and those calls read no values.
 _no_subclass_dispatch = torch._C.DisableTorchFunctionSubclass
 
-ParamGroupFn = Callable[[str, nn.Parameter], dict]
 
 
 class FlatParamLayout:

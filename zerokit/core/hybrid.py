@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from zerokit.core.comm import Comm, Handle, _nbytes, profiled
 from zerokit.core.gather import all_gather_single, free_storage, reduce_scatter_single, shares_storage, take_back
-from zerokit.core.estimate import resolve_shard_group_size
+from zerokit.core.groups import resolve_shard_group_size
 from zerokit.core.tree import is_power_of_two, pairwise_sum_
 
 __all__ = ["HybridComm", "hybrid_groups", "check_shard_group_size"]

@@ -245,6 +245,7 @@ class PeakMeter:
         self._torch = torch
         self.available = self.cuda or _read_status("VmRSS") is not None
         if self.available and not self.cuda:
+            from zerokit.core.deferred import _mmap_large_allocations  # imports torch, as this constructor does
             _mmap_large_allocations()
         self.peaks: dict[str, int] = {}
         self.seconds: dict[str, float] = {}  # each phase's wall time
@@ -280,23 +281,6 @@ class PeakMeter:
         finally:
             self.peaks[name] = self._peak()
             self.seconds[name] = time.perf_counter() - start
-
-
-def _mmap_large_allocations(threshold: int = 1 << 20) -> None:
-    """glibc: serve every allocation of `threshold` bytes or more with its own mmap, unmapped when freed.
-
-    By default glibc raises that threshold (up to 32 MiB) each time a large block is freed, after which
-    tensors of a few MiB (a unit's weights) come from the heap, whose freed pages stay resident: the RSS
-    peak would then count memory no tensor holds. Fixing the threshold keeps the high-water mark close
-    to the peak of live tensors (the same effect as MALLOC_MMAP_THRESHOLD_=1048576 in the environment).
-    """
-    import ctypes
-    import ctypes.util
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 def _read_status(field: str) -> int | None:

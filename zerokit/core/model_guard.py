@@ -65,22 +65,10 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from zerokit.core.flat_param import ParamInfo, is_packed, unique_params
 from zerokit.core.deferred import is_lazy
 from zerokit.core.materialize import DeferredInit, init_device, is_deferred
+from zerokit.core.sharded_tensors import MOVE_FIX
 
 _CHECKSUM_CHUNK = 1 << 20  # elements widened to int64 at a time when checksumming
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-MOVE_FIX = ("cast or move the model before zk.shard and build the engine after (for low-precision training pass "
-            "precision='bf16' or 'fp16' to zk.shard instead)")
-
-
-_CONVERSIONS = {"half()", "double()", "float()", "bfloat16()", "to()", "cuda()", "cpu()", "type()", "_to_copy()"}
-
-
-def move_hint(what: str) -> str:
-    """For a refusal of `what` (an op on a sharded parameter or gradient): the fix when it casts or moves."""
-    return (f" If {what} comes from casting or moving the model after zk.shard (model.half(), .to(...)): "
-            + MOVE_FIX + "." if what in _CONVERSIONS else "")
-
-
 def _digest(obj) -> int:
     """A stable int64 digest of a Python value (repr, not hash(): str hashes differ between processes)."""
     return int.from_bytes(hashlib.blake2b(repr(obj).encode(), digest_size=8).digest(), "little", signed=True)

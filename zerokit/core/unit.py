@@ -93,10 +93,9 @@ from torch import nn
 from zerokit.core.config import WrapPolicy, wrap_matcher
 from zerokit.core.flat_param import FlatParamLayout, ParamInfo, summarize_names
 from zerokit.core.gather import free_storage
-from zerokit.core.model_guard import move_hint
 from zerokit.core.nest import map_tensors, tensors_in
 from zerokit.core.prefetch import RecordedOrder
-from zerokit.core.user_grads import KIND_QUERIES, _flat_args
+from zerokit.core.sharded_tensors import sharded_class
 
 
 class UnitState(enum.Enum):
@@ -306,67 +305,6 @@ class _InputsGradDone(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.callback()
         return (None, *grads)
-
-
-# ------------------------------------------------------------ what a sharded parameter allows
-# Methods that read no values (metadata, hooks, the storage object itself, which is 0 bytes).
-_SHARDED_PARAM_METHODS = {"size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
-                          "stride", "is_contiguous", "storage_offset", "get_device", "data_ptr", "untyped_storage",
-                          "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__hash__",
-                          "__len__", "__format__", "__dir__", "is_shared", "is_pinned"} | KIND_QUERIES
-# Properties that are the values, or views of them; every other property (shape, grad, ...) is metadata.
-_SHARDED_PARAM_VALUE_PROPERTIES = {"data", "T", "mT", "H", "mH", "real", "imag"}
-
-
-class _ShardedParameter:
-    """Mixed into a parameter's own class while its unit is sharded: [Note: a sharded parameter refuses reads]."""
-
-    __slots__ = ()
-    _zerokit_name: str
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", str(func))
-        if name in ("__get__", "__set__", "__delete__"):  # a property: read, assigned or deleted
-            prop = getattr(getattr(func, "__self__", None), "__name__", None)
-            if prop in _SHARDED_PARAM_VALUE_PROPERTIES:
-                _refuse_sharded(args[0], f"`.{prop}`" if name == "__get__" else f"assigning `.{prop}`")
-        elif name not in _SHARDED_PARAM_METHODS:
-            found = [a for a in _flat_args(args, kwargs) if isinstance(a, _ShardedParameter)]
-            _refuse_sharded(found[0] if found else None, f"{name}()")
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return (f"ShardedParameter({getattr(self, '_zerokit_name', '?')!r}, shape={tuple(self.shape)}, "
-                f"dtype={self.dtype}, device={self.device}: sharded by zerokit stage 3; its values exist "
-                f"inside `with engine.summon_full_params():`)")
-
-    __str__ = __repr__
-
-
-_SHARDED_CLASSES: dict[type, type] = {}
-
-
-def sharded_class(cls: type) -> type:
-    """`cls` with reads refused: [Note: a sharded parameter refuses reads]."""
-    if cls not in _SHARDED_CLASSES:
-        _SHARDED_CLASSES[cls] = type(cls)(f"Sharded{cls.__name__}", (_ShardedParameter, cls), {"__module__": __name__})
-    return _SHARDED_CLASSES[cls]
-
-
-def _refuse_sharded(param, what: str):
-    # RuntimeError, not TypeError: torch turns a TypeError inside `+`, `*`, ... into NotImplemented.
-    which = (f"parameter {getattr(param, '_zerokit_name', '?')!r} (shape {tuple(param.shape)})"
-             if param is not None else "a parameter")
-    raise RuntimeError(
-        f"zerokit stage 3: {which} is sharded: outside its unit's forward and backward this rank holds only "
-        f"its shard, inside the engine, and the parameter has no values. {what} is not supported on it. "
-        "Read or change parameters inside `with engine.summon_full_params():` (every rank enters it), take the "
-        "whole model with `engine.state_dict(full=True)` (a collective: every rank calls it), and save or load "
-        "with `engine.save()` / `engine.load()`. A method that runs the model without calling it (a PEFT "
-        "model's generate()) needs `engine.register_forward_method(\"generate\")` first." + move_hint(what))
 
 
 # ---------------------------------------------------------------------- which params go where
