@@ -29,7 +29,7 @@ without double quantization n/2 + 4n/B (0.5625); int8: n + the same constants (â
 Each quantized weight is one frozen uint8 `nn.Parameter` (`weight_quant`, 1-D, `spec.nbytes`
 bytes: codes | absmax | fp32 scales | fp32 mean) carrying `zerokit_packed` (its QuantSpec;
 in words, `str(spec)`). The engines keep such a parameter in its own dtype, in flat buffers of its own (the
-dtype is part of the grouping key, core/flat_param.py): stages 0-2 replicate it like any frozen
+dtype is part of the grouping key, core/params/flat_param.py): stages 0-2 replicate it like any frozen
 weight, stage 3 shards its bytes with the unit and all-gathers the bytes, and every layer
 dequantizes inside its forward, after the gather. It gets no gradient, master or optimizer state,
 and a checkpoint stores it once, as bytes, checksummed with the rest.
@@ -312,7 +312,7 @@ def quant_linear(x: torch.Tensor, packed: torch.Tensor, spec: QuantSpec, bias: t
 
 class PackedParameter(nn.Parameter):
     """The frozen byte parameter of [Note: quantized storage is one byte parameter]: uint8, its QuantSpec in
-    `zerokit_packed` (what the engines, the ledger and checkpoints read: core/flat_param.py), kept by copies."""
+    `zerokit_packed` (what the engines, the ledger and checkpoints read: core/params/flat_param.py), kept by copies."""
 
     def __new__(cls, data: torch.Tensor, spec: QuantSpec):
         p = super().__new__(cls, data, requires_grad=False)

@@ -39,7 +39,7 @@ def move_hint(what: str) -> str:
 
 
 # Flags about a tensor's kind, no values: what torch.compile's dynamo asks of every tensor it meets, the
-# sharded parameters and their `.grad`s included (core/unit.py [Note: torch.compile]).
+# sharded parameters and their `.grad`s included (core/params/unit.py [Note: torch.compile]).
 KIND_QUERIES = {"is_conj", "is_neg", "_is_view", "is_inference", "_is_zerotensor", "is_sparse", "is_quantized",
                 "is_nested", "is_mkldnn", "is_meta"}
 _METADATA_METHODS = {"size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",

@@ -13,8 +13,8 @@ def resolve_shard_group_size(shard_group_size: int | None, world_size: int) -> i
     """S, the ranks one shard group spans: `shard_group_size`, or world_size when it is None (flat sharding).
 
     Shard groups tile the world, so S must be an int >= 1 dividing world_size; anything else is a
-    ValueError naming both numbers and the divisors to choose from. (core/hybrid.py checks the
-    same when it builds the groups; this copy keeps the formulas free of torch.)
+    ValueError naming both numbers and the divisors to choose from. core/collectives/hybrid.py checks it when it
+    builds the groups, core/accounting/estimate.py in its formulas (which stay free of torch: so does this module).
     """
     if shard_group_size is None:
         return world_size

@@ -3,7 +3,7 @@
 A `Unit` owns its lifecycle, as FSDP2's parameter group does: `unshard` (all-gather the
 param shards into whole flat buffers), `reshard` (free them again), and the four moments
 that drive them — `pre_forward`, `post_forward`, `pre_backward`, `post_backward`. The stage
-(stages/zero3.py) decides *when* to prefetch (core/prefetch.py) and reduces the gradients;
+(stages/zero3.py) decides *when* to prefetch (core/params/prefetch.py) and reduces the gradients;
 the unit knows what it holds and when its own backward is over.
 
 Its state (`UnitState`) says which of its tensors are alive.
@@ -32,7 +32,8 @@ unit computes, so forward and backward run on plain parameters and pay nothing; 
 one attribute store. The shape stays the logical one, as FSDP2's sharded
 DTensor parameters keep theirs (FSDP1 shows a 1-D view of the local shard instead): counting
 `p.numel()` over `model.parameters()` still gives the model's size, and `.grad` (a
-`ShardedGrad` of the parameter's shape, core/user_grads.py) stays assignable.
+`ShardedGrad` of the parameter's shape, core/params/sharded_tensors.py) stays assignable. The class and its
+refusals live in core/params/sharded_tensors.py, beside `ShardedGrad`.
 
 [Note: gather again in backward]
 With reshard_after_forward=True a unit's parameters are gone after its forward, but its
@@ -76,7 +77,7 @@ refused ([Note: a sharded parameter refuses reads]). `engine.register_forward_me
 wraps the method as FSDP2's `register_fsdp_forward_method` does (`wrap_forward_method`): the
 root is gathered before it runs and the model freed after it (or, if its output requires grad,
 kept for backward as after a call). Units still gather and free themselves around each of their
-forwards. The method's pass is recorded apart from training's (core/prefetch.py [Note: recorded
+forwards. The method's pass is recorded apart from training's (core/params/prefetch.py [Note: recorded
 prefetch order]): a generate calls each unit once per new token, and were that the record, the
 next training forward would keep units gathered for calls that never come.
 """
@@ -91,11 +92,11 @@ import torch
 from torch import nn
 
 from zerokit.core.config import WrapPolicy, wrap_matcher
-from zerokit.core.flat_param import FlatParamLayout, ParamInfo, summarize_names
-from zerokit.core.gather import free_storage
+from zerokit.core.params.flat_param import FlatParamLayout, ParamInfo, summarize_names
+from zerokit.core.collectives.gather import free_storage
 from zerokit.core.nest import map_tensors, tensors_in
-from zerokit.core.prefetch import RecordedOrder
-from zerokit.core.sharded_tensors import sharded_class
+from zerokit.core.params.prefetch import RecordedOrder
+from zerokit.core.params.sharded_tensors import sharded_class
 
 
 class UnitState(enum.Enum):
@@ -147,7 +148,7 @@ class Unit:
                     continue
                 p._zerokit_name = names[0]
                 self._classes.append((p, own, sharded))
-        # What the collective recorder calls each gather (core/recorder.py): "unit blocks.0", and
+        # What the collective recorder calls each gather (core/collectives/recorder.py): "unit blocks.0", and
         # with several flat params (frozen ones apart, say) which one: "unit blocks.0 (blocks.0.fc1.*)".
         what = f"unit {name or '<root>'}"
         self.gather_labels = [what] if len(flat_params) == 1 else [
@@ -385,7 +386,7 @@ def reshard_all(units: list[Unit]) -> None:
 
 
 def prefetch(units: list[Unit], upcoming: list[int], phase: str) -> None:
-    """Start gathering the units a recorded order predicts next (core/prefetch.py), those still sharded."""
+    """Start gathering the units a recorded order predicts next (core/params/prefetch.py), those still sharded."""
     for k in upcoming:
         unit = units[k]
         if unit.state is UnitState.SHARDED and not unit.backward_done:

@@ -5,7 +5,7 @@
     engine = zk.shard(model, torch.optim.AdamW, stage=3, wrap=(LlamaDecoderLayer,))
 
 [Note: recording a construction]
-A meta build (core/materialize.py) replays every module's `reset_parameters()` and a `param_init_fn`
+A meta build (core/params/materialize.py) replays every module's `reset_parameters()` and a `param_init_fn`
 after the fact. That cannot reproduce a model whose constructor initializes in its own order: a
 Hugging Face model runs `post_init` at the end of each sub-model's constructor, so LlamaForCausalLM
 draws [defaults of `model.*`, HF init of `model.*`, default of `lm_head`, HF init of `lm_head`], and

@@ -9,7 +9,7 @@ must notice those actions and give them the meaning they have under torch's DDP 
 or FSDP2 (stages 2-3), or refuse them with an error — never let them silently detach
 `param.grad` from the storage the reduction reads.
 
-Two pieces do that:
+Two pieces do that (both in core/params/, below this module; `UserGrads` here is the engine's side):
 
 * `FlatParamLayout` remembers which tensor it last put in each parameter's `.grad`
   (`FlatParamLayout.use_as_grad_storage` / `show_grads`), and `FlatParamLayout.user_grad_changes()`
@@ -18,7 +18,7 @@ Two pieces do that:
   param's backward (the gradient pre-hook, before autograd accumulates: `UserGrads._on_first_grad`,
   the same for every stage) and at `step` (`UserGrads.check_user_grads_before_step`).
 
-* `ShardedGrad` is what `param.grad` holds at stages 1-3 after a synchronised backward,
+* `ShardedGrad` (core/params/sharded_tensors.py) is what `param.grad` holds at stages 1-3 after a synchronised backward,
   when only this rank's range of the averaged gradient exists (the grad shard). Like an
   FSDP2 gradient (a sharded DTensor) it has the parameter's shape, dtype and device, but
   its values are this rank's part `local` of the averaged gradient (a view into the grad
@@ -50,14 +50,14 @@ __all__ = ["UserGrads"]
 class UserGrads:
     """The engine's side of [Note: param.grad belongs to the user], one implementation for every stage.
 
-    Mixed into core/engine.py's `Engine`; reads the stage's `states` (core/flat_param.py
+    Mixed into core/engine.py's `Engine`; reads the stage's `states` (core/params/flat_param.py
     `FlatParamState`), `flat_params`, `packs_grads` and `adopt_assigned_grads`.
     """
 
     packs_grads = False  # stage 3: autograd makes each param's own gradient, packed once all are there
 
     def _on_first_grad(self, fp) -> None:
-        """Autograd is about to add this flat param's first gradient of a backward (core/hooks.py): honour
+        """Autograd is about to add this flat param's first gradient of a backward (core/grads/hooks.py): honour
         what user code did to `.grad` since the last one, then give autograd the full gradient's views.
 
         A cleared `.grad` (None, or zeroed in place) starts again from zero, in the full gradient
@@ -107,10 +107,10 @@ class UserGrads:
         micro-batches still held as partial sums (no synced backward) are refused too, and the
         step's tree is done with: the next backward starts a new one even when the loop clears
         gradients with model.zero_grad() rather than engine.zero_grad(). A model cast or
-        moved since zk.shard is refused first (core/model_guard.py).
+        moved since zk.shard is refused first (core/params/model_guard.py).
         """
         self.check_last_backward()
-        self.guard.before_step(self)  # dtype/device moves of the model: core/model_guard.py
+        self.guard.before_step(self)  # dtype/device moves of the model: core/params/model_guard.py
         self.check_partials_sent()
         self.clear_partials()
         for fp in self.flat_params:
