@@ -9,9 +9,9 @@ Each configuration is one fresh process running `zerokit memory --simulate ... -
 that process's own (commands/memory.py `simulate_rank`: the resident set's high-water mark per phase, build,
 step, save and load (this rank's part of engine.save / engine.load, `simulated_save_and_load`), beside
 the bound = process baseline + model states + stage-3 working set + activations). `--build eager` rows
-build the whole model first, as zk.shard required before core/materialize.py. Results, with the commands,
+build the whole model first, as zk.shard required before core/params/materialize.py. Results, with the commands,
 date and commit: benchmarks/results/build_memory.{json,md}. `--deferred` runs gpt2-xl at N = 64 (stages
-1-3) and gpt3-6.7b built under zk.deferred_init() (core/deferred.py) instead: results in
+1-3) and gpt3-6.7b built under zk.deferred_init() (core/params/deferred.py) instead: results in
 benchmarks/results/build_memory_deferred.{json,md}.
 
 `--ranks` runs real gloo ranks instead (zerokit.launch.run_ranks): 4 ranks build gpt2-small on the meta
@@ -94,8 +94,8 @@ def _steps(engine, rank: int, steps: int, vocab: int) -> None:
 
 def _rank_run(rank: int, world_size: int, model: str, weights: str, checkpoint: str, resume: bool) -> dict:
     from zerokit.commands.memory import phase_bound
-    from zerokit.core.estimate import activation_bytes_estimate
-    from zerokit.core.ledger import PeakMeter, ledger
+    from zerokit.core.accounting.estimate import activation_bytes_estimate
+    from zerokit.core.accounting.ledger import PeakMeter, ledger
     from zerokit.models import preset
 
     cfg = preset(model)
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
              "tokens. Peak: the resident set's high-water mark (VmHWM) in each phase; bound: process baseline + "
              "model states (formula) + gradients in flight (stage 3: the working set of gathered units; stage 2: "
              "the max_in_flight + 2 largest full-size buckets) + the tied head's two (V, d) autograd gradients + "
-             "activations (zerokit/commands/memory.py `phase_bound`, terms derived in core/estimate.py). "
+             "activations (zerokit/commands/memory.py `phase_bound`, terms derived in core/accounting/estimate.py). "
              "GB = 10^9 bytes.", "",
              "Save and load are this rank's part of engine.save and engine.load (zerokit/commands/memory.py "
              "[Note: save and resume on a simulated rank]: the consolidated model file streamed one flat param at a "

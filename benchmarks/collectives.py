@@ -4,13 +4,13 @@
     python benchmarks/collectives.py --nproc 2 4 8 --numel 15744 111840 1048576 --calls 200 --rounds 5 \
         --many 73728 73728 73728 73728 73728 73728 5184 15456
 
-core/gather.py [Note: gloo's all-gather temporary]: gloo's all-gather receives into a buffer of its
+core/collectives/gather.py [Note: gloo's all-gather temporary]: gloo's all-gather receives into a buffer of its
 own, the output's size, for as long as the collective runs, and torch's wrapper allocates and frees
 another as the gather is issued. zerokit gathers on gloo (when it does not coalesce several outputs
 into one collective) into the output's rows in place: N broadcasts, rank r's from row r of the output,
 or at 2 ranks one all-to-all (this rank's row to the peer, the peer's into its row). At 2 ranks the
 broadcasts, zerokit's way before, are timed beside it ("zerokit, N broadcasts": the same Comm with
-core/gather.py `fill_rows_from_ranks` issuing broadcasts at every world size); at 3+ ranks they are zerokit's way.
+core/collectives/gather.py `fill_rows_from_ranks` issuing broadcasts at every world size); at 3+ ranks they are zerokit's way.
 
 Several outputs at once (`--many`: by default the 8 buckets stages 1 and 2 gather after the step for the
 `small` model, 463,008 elements): torch's coalesced all-gather (gloo concatenates the inputs, gathers
@@ -33,11 +33,11 @@ Reduce-scatter mode (`--reduce-scatter`): What a reduce-scatter costs on gloo at
     python benchmarks/collectives.py --reduce-scatter             # three sizes, 2 gloo ranks
     python benchmarks/collectives.py --reduce-scatter --numel 65536 1048576 --calls 200 --rounds 5
 
-core/ordered.py [Note: ordered reduction]: on gloo zerokit reduce-scatters by an all-to-all and a local
+core/collectives/ordered.py [Note: ordered reduction]: on gloo zerokit reduce-scatters by an all-to-all and a local
 sum, never by gloo's own reduce-scatter (an all-reduce of the whole buffer inside). The general
-recipe (`core/ordered.py`'s `rows_reduce_scatter`) receives every rank's contribution to this rank's range, its own
+recipe (`core/collectives/ordered.py`'s `rows_reduce_scatter`) receives every rank's contribution to this rank's range, its own
 included, as N rows of an (N·m,) buffer and sums them in rank order. At 2 ranks, `Comm.reduce_scatter`
-exchanges halves instead (`core/ordered.py`'s `exchange_halves`): each rank sends the peer's half, receives the
+exchanges halves instead (`core/collectives/ordered.py`'s `exchange_halves`): each rank sends the peer's half, receives the
 peer's part of its own half into an (m,) buffer and adds its own half to it, one addition per
 element, the same bits.
 
@@ -66,9 +66,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import zerokit.core.gather as gather  # noqa: E402
-from zerokit.core.comm import Comm  # noqa: E402
-from zerokit.core.ordered import rows_reduce_scatter  # noqa: E402
+import zerokit.core.collectives.gather as gather  # noqa: E402
+from zerokit.core.collectives.comm import Comm  # noqa: E402
+from zerokit.core.collectives.ordered import rows_reduce_scatter  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
 from zerokit.provenance import command_line, provenance, provenance_lines, write_pair  # noqa: E402
 
@@ -271,7 +271,7 @@ def _markdown(r: dict) -> str:
         "\"torch\": `dist.all_gather_into_tensor(output, shard, async_op=True).wait()`. \"zerokit\": "
         "`Comm.all_gather(output, shard, async_op=True).wait()`, which on gloo fills the output's rows in place: "
         "at 2 ranks one all-to-all (this rank's row to the peer, the peer's into its row), at 3+ ranks N "
-        "broadcasts, rank r's from row r (core/gather.py [Note: gloo's all-gather temporary]). \"zerokit by "
+        "broadcasts, rank r's from row r (core/collectives/gather.py [Note: gloo's all-gather temporary]). \"zerokit by "
         "broadcasts\": the same Comm issuing N broadcasts at 2 ranks too, zerokit's way there before. All give "
         "the same bits. \"Bytes allocated in flight\": every allocation torch.profiler records during one gather "
         "and its wait (issuing thread and gloo's workers), summed: torch's is two buffers of the output's size "
@@ -379,11 +379,11 @@ def _rs_markdown(r: dict) -> str:
         "rank; medians of the rounds",
         "", *rs_table(r["rows"]), "",
         "\"torch\": `dist.reduce_scatter_tensor(output, input, async_op=True).wait()` (gloo: an all-reduce of the "
-        "whole input inside). \"N rows\": `core/ordered.py`'s `rows_reduce_scatter`, zerokit's recipe at 3+ ranks: an all-to-all "
+        "whole input inside). \"N rows\": `core/collectives/ordered.py`'s `rows_reduce_scatter`, zerokit's recipe at 3+ ranks: an all-to-all "
         "of the whole input into an (N·m,) buffer, every rank's contribution to this rank's range as a row, its own "
         "included, summed in rank order. \"halves\": what `Comm.reduce_scatter` does at 2 ranks "
-        "(`core/ordered.py`'s `exchange_halves`): an all-to-all with empty splits for the rank itself, the peer's half out, the "
-        "peer's part of this rank's half into an (m,) buffer, added to the own half (core/ordered.py [Note: ordered "
+        "(`core/collectives/ordered.py`'s `exchange_halves`): an all-to-all with empty splits for the rank itself, the peer's half out, the "
+        "peer's part of this rank's half into an (m,) buffer, added to the own half (core/collectives/ordered.py [Note: ordered "
         "reduction]). \"same bits\": every way's output equal bit for bit on both ranks (at 2 ranks each is one "
         "addition per element). \"Bytes allocated in flight\": every allocation torch.profiler records during one "
         "reduce-scatter and its wait (issuing thread and gloo's workers), summed."]) + "\n"

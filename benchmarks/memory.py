@@ -71,7 +71,7 @@ records, on every rank:
 * the median step time (a step counts at its slowest rank);
 * the model states this rank holds after a step (`engine.memory()`: params, grads, master,
   optimizer states) and the peak bytes autograd saved for backward during one step
-  (`zerokit.core.ledger.ActivationMeter`, saved-tensor hooks on CPU), and their sum: the ledger's
+  (`zerokit.core.accounting.ledger.ActivationMeter`, saved-tensor hooks on CPU), and their sum: the ledger's
   view of what a rank needs beyond temporaries;
 * the allocator's view, temporaries included: the engine built afresh and trained `--memory-warmup`
   + 1 more steps under torch.profiler, with c10's counter made to see every thread (gloo's too),
@@ -143,8 +143,8 @@ from zerokit.checkpoint import committed_snapshot  # noqa: E402
 from zerokit.commands.compare import available_stages  # noqa: E402
 from zerokit.commands.memory import simulate_rank  # noqa: E402
 from zerokit.commands.step import train_step  # noqa: E402
-from zerokit.core.comm import Comm, Simulated  # noqa: E402
-from zerokit.core.ledger import ActivationMeter  # noqa: E402
+from zerokit.core.collectives.comm import Comm, Simulated  # noqa: E402
+from zerokit.core.accounting.ledger import ActivationMeter  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
 from zerokit.models import Block, CharCorpus, GPTConfig, build_model  # noqa: E402
 from zerokit.provenance import (command_line, git_commit, machine, provenance, provenance_lines,  # noqa: E402
@@ -158,8 +158,8 @@ def _real_rank(rank: int, world_size: int, jobs: list[tuple[int, str]], model_na
     """One step per (stage, precision) on this real rank; the ledger of each."""
     import zerokit as zk
     from zerokit.commands.memory import optimizer_for
-    from zerokit.core.estimate import activation_bytes_estimate
-    from zerokit.core.ledger import ActivationMeter, ledger
+    from zerokit.core.accounting.estimate import activation_bytes_estimate
+    from zerokit.core.accounting.ledger import ActivationMeter, ledger
     from zerokit.models import Block, build_model, preset
 
     device = torch.device("cuda", rank) if device_kind == "cuda" else torch.device("cpu")
@@ -338,8 +338,8 @@ def measure_simulated(model_name: str, world_size: int, stage: int, precision: s
     """
     import zerokit as zk
     from zerokit.commands.memory import optimizer_for
-    from zerokit.core.estimate import activation_bytes_estimate, zero3_working_set_bytes
-    from zerokit.core.ledger import ActivationMeter, ledger
+    from zerokit.core.accounting.estimate import activation_bytes_estimate, zero3_working_set_bytes
+    from zerokit.core.accounting.ledger import ActivationMeter, ledger
     from zerokit.models import Block, build_model, preset
 
     cfg = preset(model_name)
@@ -419,7 +419,7 @@ def device_header(unit: str) -> str:
 
 def device_row(r: dict, unit: str) -> str:
     """One Markdown row: the ledger against the formula, then the allocator against it."""
-    from zerokit.core.estimate import per_rank_formula
+    from zerokit.core.accounting.estimate import per_rank_formula
 
     c = r["config"]
     states_m = sum(r["measured"][k] for k in MODEL_STATES)
@@ -494,7 +494,7 @@ def device_main(args: argparse.Namespace) -> int:
            "params and grads). The estimate leaves out gradient buffers alive during backward, the logits' "
            "gradient, optimizer temporaries and allocator rounding, so a ratio above 1 is expected.",
            "- activations measured: the allocator's peak during forward + backward above what was allocated when "
-           "forward began (core/ledger.py `ActivationMeter`); on CPU the saved-tensor peak.",
+           "forward began (core/accounting/ledger.py `ActivationMeter`); on CPU the saved-tensor peak.",
            "- first-step peak: the first step, which also creates Adam's states; build peak: building the model "
            "in fp32 on the device and `zk.shard` (flattening, casting, master copies)."]
     if skipped:

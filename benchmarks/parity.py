@@ -13,7 +13,7 @@ loops of the tests that assert these cells bitwise, so the table and the tests m
   tests/distributed/test_dtypes_and_layouts.py;
 - what the whole-parameter path costs beside the flat path, for one optimizer taken both ways (AdamW, and a
   subclass declaring `elementwise = False`) on the tiny GPT (zerokit/models.py): bytes each rank moves per
-  step (core/comm.py's count), the most optimizer-state bytes a rank holds, and the step's wall time (median
+  step (core/collectives/comm.py's count), the most optimizer-state bytes a rank holds, and the step's wall time (median
   of 8 steps after 2 warm-up steps, both paths interleaved in one process pair).
 """
 from __future__ import annotations

@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import speed  # noqa: E402  benchmarks/speed.py: the runs, the peers, the allocator pass
-from zerokit.core.estimate import estimate  # noqa: E402
+from zerokit.core.accounting.estimate import estimate  # noqa: E402
 from zerokit.launch import run_ranks  # noqa: E402
 from zerokit.models import CharCorpus, GPTConfig, build_model, num_params  # noqa: E402
 from zerokit.provenance import command_line, provenance, provenance_lines, write_pair  # noqa: E402

@@ -238,7 +238,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reduction", default="default", choices=["default", "ordered", "native"],
                    help="zerokit's gradient reduction: its default (ordered on gloo, native on NCCL), the ordered "
                         "all-to-all + rank-order sum + all-gather, or the native all-reduce / reduce-scatter "
-                        "(see zerokit/core/ordered.py [Note: ordered reduction])")
+                        "(see zerokit/core/collectives/ordered.py [Note: ordered reduction])")
     p.add_argument("--peers", default="default", choices=["default", "plain"],
                    help="default: torch DDP / ZeroRedundancyOptimizer / FSDP1 / FSDP2 on --nproc ranks; plain: torch "
                         "on one device without a wrapper, in this process (needs --nproc 1; see the module docstring)")
@@ -901,7 +901,7 @@ def main(argv: list[str] | None = None) -> int:
            "batch_size": args.batch_size, "lr": args.lr, "bucket_numel": args.bucket_numel, "seed": args.seed,
            "stages": stages, "device": device, "reduction": args.reduction, "peers": args.peers,
            "memory_steps": args.memory_steps, "memory_warmup": args.memory_warmup,
-           # what --reduction default means here: core/ordered.py orders the sum on gloo, not on NCCL
+           # what --reduction default means here: core/collectives/ordered.py orders the sum on gloo, not on NCCL
            "reduction_used": {"default": "ordered" if device == "cpu" else "native"}.get(args.reduction,
                                                                                           args.reduction)}
     if plain:  # world size 1 in this process, no process group: zerokit issues no collective

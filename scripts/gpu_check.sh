@@ -137,7 +137,7 @@ for i in range(torch.cuda.device_count() if cuda else 0):
     p = torch.cuda.get_device_properties(i)
     print(f"- GPU {i}: {p.name}, {p.total_memory / 2**30:.1f} GiB, compute capability {p.major}.{p.minor}, "
           f"{p.multi_processor_count} SMs")
-# zerokit's tensor collectives go by torch 2.13's names, else the older ones (core/gather.py).
+# zerokit's tensor collectives go by torch 2.13's names, else the older ones (core/collectives/gather.py).
 names = [f if hasattr(dist, f) else old for f, old in (("all_gather_single", "all_gather_into_tensor"),
                                                       ("reduce_scatter_single", "reduce_scatter_tensor"))]
 print("- torch.distributed tensor collectives used: " + " / ".join(names))

@@ -261,12 +261,12 @@ def storage_refs(storage) -> int:
 
 
 def callers_buffers_cases(rank: int, world_size: int) -> dict:
-    """core/gather.py [Note: frees at a fixed point], the caller's buffers: every reduce-scatter and all-reduce
+    """core/collectives/gather.py [Note: frees at a fixed point], the caller's buffers: every reduce-scatter and all-reduce
     path (ordered and native, into its own output and in place, asynchronous and not), with its Handle still
     alive (so its Work too), right after the wait. For each: (the result is right, the references left on the
     input's storage once the caller has dropped the input: 1 is this check's own, so the caller's last
     reference freed the bytes; more is the Work still holding them)."""
-    from zerokit.core.comm import Comm
+    from zerokit.core.collectives.comm import Comm
 
     n, total = world_size, float(sum(range(1, world_size + 1)))
     out = {}

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerokit.core.comm import Comm, Simulated
-from zerokit.core.deferred import deferred_init
+from zerokit.core.collectives.comm import Comm, Simulated
+from zerokit.core.params.deferred import deferred_init
 from zerokit.core.config import DEFAULT_BUCKET_NUMEL, ShardConfig, check_optimizer_kwargs, default_bucket_numel
-from zerokit.core.hybrid import HybridComm, check_shard_group_size, hybrid_groups
+from zerokit.core.collectives.hybrid import HybridComm, check_shard_group_size, hybrid_groups
 from zerokit.core.precision import GradScaler, LossScaler, make_policy
 
 __all__ = ["init_distributed", "shard", "deferred_init", "hybrid_groups", "estimate", "lora", "quantize", "dequantized_state_dict", "Comm", "HybridComm", "Simulated", "GradScaler",
@@ -127,8 +127,8 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     the trainable parameters at stage 0 (and at stage 1 on one rank), all of them at stage 1, a
     thirty-second at stage 2, within [32 Ki, 4 Mi] (core/config.py [Note: default bucket size]).
     `reduce_dtype` (e.g. torch.float32 with precision="bf16") is the dtype gradients are
-    reduced and their shards kept in (default: the param dtype; see core/grad_reduce.py).
-    `ordered_reduction`: see core/ordered.py [Note: ordered reduction] (None = ordered on
+    reduced and their shards kept in (default: the param dtype; see core/grads/grad_reduce.py).
+    `ordered_reduction`: see core/collectives/ordered.py [Note: ordered reduction] (None = ordered on
     gloo, native on NCCL). `comm` replaces `group`/`ordered_reduction` with a ready Comm
     (for example a simulated rank of a larger world). `accumulate` (stage 2 only): how
     gradients accumulate under `no_sync()` — "reduce_scatter" every micro-step into the
@@ -145,16 +145,16 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     raises at once on every rank, naming what each rank was doing in ZeRO terms ("rank 0 is
     reduce-scattering bucket 3 (blocks.2.*), rank 1 is all-gathering unit blocks.0") instead of
     hanging until the process group's timeout. Costs one small all-gather per collective; training
-    is bitwise unchanged (core/recorder.py [Note: debug mode]). With `comm=`, it sets `comm.debug`.
+    is bitwise unchanged (core/collectives/recorder.py [Note: debug mode]). With `comm=`, it sets `comm.debug`.
     `reduction="tree"` (every stage and precision): the step's micro-batch gradients are summed
     in one fixed binary tree — pairwise partial sums on each rank under `no_sync()`, pairwise
     across ranks, an exact gradient norm — so a run's bits do not depend on the world size: one
-    process with 4 micro-batches reproduces 4 ranks with 1 each (core/tree.py [Note:
+    process with 4 micro-batches reproduces 4 ranks with 1 each (core/collectives/tree.py [Note:
     world-size-independent bits]). World size and micro-batches per rank must be powers of two.
     `shard_group_size=S` (hybrid sharding, S dividing the world size N): stages 1-3 shard over
     the S ranks of a node, [kS, (k+1)S), and replicate across nodes; gradients are reduce-scattered
     in the node, then their shard is averaged across nodes, bitwise equal to stage 0 at N ranks
-    under the ordered reduction (core/hybrid.py [Note: hybrid sharding]). Stage 0 shards nothing
+    under the ordered reduction (core/collectives/hybrid.py [Note: hybrid sharding]). Stage 0 shards nothing
     and ignores it. `group=(shard_group, replicate_group)` passes ready-made groups instead, such
     as `zk.hybrid_groups(S)` builds once for several engines.
     `broadcast_buffers=True` (every stage, as torch DDP's default): rank 0's buffers (BatchNorm's
@@ -170,14 +170,14 @@ def shard(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer] = torch.o
     values at a time and keeps what it owns, running each module's `reset_parameters()` and then
     `param_init_fn(module)` (if given) for every module, children first, in the order an eager build and
     `model.apply(param_init_fn)` run them, from rank 0's generator state: the same bits as the model built
-    eagerly on CPU after the same seed (core/materialize.py [Note: the same bits as an eager build]). A
+    eagerly on CPU after the same seed (core/params/materialize.py [Note: the same bits as an eager build]). A
     parameter or buffer nothing initializes is refused, naming it, before anything is allocated.
     At construction every rank checks that every rank built the same model (parameters and
     buffers: names, shapes, dtypes, requires_grad) and, after rank 0's values are broadcast,
     holds the same bits, and raises on every rank naming the first difference otherwise; a model
     with no parameter that requires grad is refused. A model cast or moved after `zk.shard`
     (`model.half()`, `.to(...)`) is refused at the next `engine(...)` or step: cast or move
-    it first (core/model_guard.py).
+    it first (core/params/model_guard.py).
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {sorted(STAGES)}, got {stage!r}")
@@ -245,8 +245,8 @@ _SHARD_OPTIONS = [name for name, p in inspect.signature(shard).parameters.items(
 
 
 def estimate(num_params, world_size: int, stage: int, precision: str = "bf16", **kwargs):
-    """Analytic bytes per rank by category (see core/estimate.py)."""
-    from zerokit.core.estimate import estimate as _estimate
+    """Analytic bytes per rank by category (see core/accounting/estimate.py)."""
+    from zerokit.core.accounting.estimate import estimate as _estimate
     return _estimate(num_params, world_size, stage, precision, **kwargs)
 
 

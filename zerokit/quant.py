@@ -29,7 +29,7 @@ without double quantization n/2 + 4n/B (0.5625); int8: n + the same constants (â
 Each quantized weight is one frozen uint8 `nn.Parameter` (`weight_quant`, 1-D, `spec.nbytes`
 bytes: codes | absmax | fp32 scales | fp32 mean) carrying `zerokit_packed` (its QuantSpec;
 in words, `str(spec)`). The engines keep such a parameter in its own dtype, in flat buffers of its own (the
-dtype is part of the grouping key, core/flat_param.py): stages 0-2 replicate it like any frozen
+dtype is part of the grouping key, core/params/flat_param.py): stages 0-2 replicate it like any frozen
 weight, stage 3 shards its bytes with the unit and all-gathers the bytes, and every layer
 dequantizes inside its forward, after the gather. It gets no gradient, master or optimizer state,
 and a checkpoint stores it once, as bytes, checksummed with the rest.
@@ -312,7 +312,7 @@ def quant_linear(x: torch.Tensor, packed: torch.Tensor, spec: QuantSpec, bias: t
 
 class PackedParameter(nn.Parameter):
     """The frozen byte parameter of [Note: quantized storage is one byte parameter]: uint8, its QuantSpec in
-    `zerokit_packed` (what the engines, the ledger and checkpoints read: core/flat_param.py), kept by copies."""
+    `zerokit_packed` (what the engines, the ledger and checkpoints read: core/params/flat_param.py), kept by copies."""
 
     def __new__(cls, data: torch.Tensor, spec: QuantSpec):
         p = super().__new__(cls, data, requires_grad=False)
@@ -355,6 +355,14 @@ def _matches(name: str, patterns) -> bool:
     return name in patterns or name.rsplit(".", 1)[-1] in patterns
 
 
+def _has_lora(model: nn.Module) -> bool:
+    """Whether `model` holds a zerokit LoRALinear (zerokit/lora.py): a module whose `lora_A` and `lora_B` are
+    Parameters. Recognised by those attributes, as `quantized_modules` recognises a LoRALinear over a quantized
+    base, so that this module imports nothing of zerokit/lora.py (lora.py imports this one)."""
+    return any(isinstance(getattr(m, "lora_A", None), nn.Parameter) and isinstance(getattr(m, "lora_B", None), nn.Parameter)
+               for m in model.modules())
+
+
 def quantize(model: nn.Module, fmt: str, targets=None, skip=(), block_size: int = 64,
              double_quant: bool = True) -> list[str]:
     """Replace the frozen weight of each targeted nn.Linear (and GPT-2 Conv1D) by quantized storage, in place.
@@ -366,11 +374,10 @@ def quantize(model: nn.Module, fmt: str, targets=None, skip=(), block_size: int 
     `model.requires_grad_(False)`), a weight tied to another module, a weight whose element count
     is not a multiple of `block_size`, LoRA modules already in the model, or nothing matched.
     """
-    from zerokit.lora import lora_modules
     _check_format(fmt, block_size)
     targets = (targets,) if isinstance(targets, str) else (None if targets is None else tuple(targets))
     skip = (skip,) if isinstance(skip, str) else tuple(skip)
-    if lora_modules(model):
+    if _has_lora(model):
         raise ValueError("zk.quantize: the model already has LoRA modules; quantize first, then zk.lora.inject")
     candidates = [(name, m) for name, m in model.named_modules(remove_duplicate=False)
                   if name and (isinstance(m, nn.Linear) or _is_conv1d(m))]

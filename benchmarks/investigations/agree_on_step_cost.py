@@ -1,4 +1,4 @@
-"""What stage 3's per-step agreement costs (core/recorder.py [Note: rank-dependent units]).
+"""What stage 3's per-step agreement costs (core/collectives/recorder.py [Note: rank-dependent units]).
 
     python benchmarks/investigations/agree_on_step_cost.py            # 2 gloo ranks, tiny GPT, 200 pairs of steps
     python benchmarks/investigations/agree_on_step_cost.py --pairs 500

@@ -4,7 +4,7 @@
     python benchmarks/investigations/buffer_broadcast.py --nproc 2 --gpt small --cnn-width 32 --steps 20 --warmup 3 --stage 0
 
 Before each `engine(...)` forward that DDP would sync, rank 0's buffers are broadcast, one collective
-per buffer dtype (core/model_guard.py [Note: buffers as DDP keeps them]). Two models: zerokit's GPT
+per buffer dtype (core/params/model_guard.py [Note: buffers as DDP keeps them]). Two models: zerokit's GPT
 (zerokit/models.py), which has no buffers, so the option must cost zero collectives and zero bytes;
 and a small ResNet-style CNN with BatchNorm (running mean, variance, and an int64 counter per layer).
 One spawn trains two engines per model from the same weights, with and without `broadcast_buffers`,
@@ -182,7 +182,7 @@ def _markdown(r: dict) -> str:
         f"stepped in turns (with/without alternating first), {c['steps']} measured steps after {c['warmup']}; a "
         "step counts at its slowest rank; medians", "", *table(r["rows"]), "",
         "Broadcasts and bytes per step: the comm ledger's phase \"buffers\" (kind broadcast, logical bytes as "
-        "core/comm.py counts them); one broadcast per buffer dtype per synced forward (core/model_guard.py)."]) + "\n"
+        "core/collectives/comm.py counts them); one broadcast per buffer dtype per synced forward (core/params/model_guard.py)."]) + "\n"
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     python benchmarks/investigations/debug_overhead.py                    # 2 gloo ranks, model small, stages 0-3
     python benchmarks/investigations/debug_overhead.py --nproc 2 --model small --steps 20 --warmup 3 --rounds 3
 
-Debug mode (core/recorder.py [Note: debug mode]) adds, before every collective, one all-gather of a
+Debug mode (core/collectives/recorder.py [Note: debug mode]) adds, before every collective, one all-gather of a
 (2,) int64 fingerprint per rank, and one such check per optimizer step; nothing else changes (the
 collectives, their order and the numbers trained are the same: tests/distributed/test_debug_mode.py).
 Its cost is therefore a latency per collective, which this measures in place: one spawn of
@@ -12,7 +12,7 @@ debug off and once on, `--rounds` times, odd rounds in reverse order so that slo
 machine favours neither. A step is `train_step` (zero_grad, forward, backward, clip at 1.0,
 step); its time is taken on every rank and a step counts at the slowest rank's time. Per stage
 the table gives the median step time of each mode over every round's steps after `--warmup`,
-the difference, the collectives a step issues (from the recorder, core/recorder.py), and the
+the difference, the collectives a step issues (from the recorder, core/collectives/recorder.py), and the
 difference per collective; step times on a shared CPU are noisy, so the cost of one check is also
 timed on its own (`--checks` sync points in a row: the same fixed-size all-gather).
 
@@ -156,7 +156,7 @@ def _markdown(r: dict) -> str:
              f"{_check_line(r)}.", "",
              "Debug mode adds one all-gather of a (2,) int64 fingerprint per rank before each collective, one "
              "per optimizer step, and on gloo one before the all-gather half of each (ordered) all-reduce "
-             "(core/recorder.py [Note: debug mode]); the CPU waits for each, so async collectives overlap less. "
+             "(core/collectives/recorder.py [Note: debug mode]); the CPU waits for each, so async collectives overlap less. "
              "\"losses equal\": every run of the stage, with and without debug mode, in every round, trained the "
              "same losses (the same floats) on each rank."]
     return "\n".join(lines) + "\n"

@@ -7,7 +7,7 @@ The same runs as benchmarks/speed.py's stage 0 pair (same weights, batches, Adam
 the decay / no-decay split, bucket size, DDP with `gradient_as_bucket_view=True`). It measures
 the current code only: an earlier version also ran stage 0 with one all-reduce per bucket by
 patching zerokit's private grouping function; that arm is dropped (no public setting chooses the
-grouping: core/grad_reduce.py [Note: all-reduce groups]); its figures stay in
+grouping: core/grads/grad_reduce.py [Note: all-reduce groups]); its figures stay in
 benchmarks/results/stage0_phases.json from that run. Each run is built afresh per round,
 rounds alternate the order; each phase is timed on its own (`time.perf_counter` around
 zero_grad, the forward, the backward including the wait for its all-reduces, and the optimizer
@@ -173,9 +173,9 @@ def _markdown(r: dict) -> str:
         "they hold a little more than it; zerokit's buckets never exceed it, and the decay / no-decay split puts "
         "every bias and LayerNorm in a bucket of its own, so one all-reduce per bucket would make more "
         "collectives than DDP. Stage 0 all-reduces consecutive buckets together, a "
-        "group closing once it reaches the cap (DDP's rule applied to whole buckets: core/grad_reduce.py [Note: "
+        "group closing once it reaches the cap (DDP's rule applied to whole buckets: core/grads/grad_reduce.py [Note: "
         "all-reduce groups]), so its collectives are fewer and larger than DDP's. zerokit's hooks are "
-        "Python (two per parameter and backward: core/hooks.py), DDP's reducer is C++; zerokit's step is AdamW "
+        "Python (two per parameter and backward: core/grads/hooks.py), DDP's reducer is C++; zerokit's step is AdamW "
         "over its 10 flat buffers (torch's for-loop implementation, the CPU default), DDP's a foreach AdamW "
         "over every parameter."]) + "\n"
 

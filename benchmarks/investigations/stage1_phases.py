@@ -91,7 +91,7 @@ def _markdown(r: dict) -> str:
         "Each phase is timed on its own; \"sum\" adds the phases' medians, \"whole step\" is the median of each "
         "step's four phases together (what benchmarks/speed.py times): the two differ where a phase varies. \"backward\" "
         "includes waiting for the gradient collectives: zerokit reduce-scatters each bucket as it is released (on "
-        "gloo an all-to-all and a sum in rank order: core/ordered.py [Note: ordered reduction]), torch's DDP "
+        "gloo an all-to-all and a sum in rank order: core/collectives/ordered.py [Note: ordered reduction]), torch's DDP "
         "all-reduces its buckets, which close once they reach the cap. Stage 1's buckets follow DDP's rule too (a "
         "bucket closes once it holds `bucket_numel` elements or more: zerokit/stages/zero1.py [Note: stage 1's "
         f"buckets]); \"{CAPPED}\" is the same engine with buckets that never exceed the cap, stage 0's and stage 2's "

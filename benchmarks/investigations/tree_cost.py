@@ -3,7 +3,7 @@
     python benchmarks/investigations/tree_cost.py                         # 2 gloo ranks, 4 micro-batches each, model small
     python benchmarks/investigations/tree_cost.py --nproc 2 --accumulate 4 --model small --steps 10 --warmup 2 --rounds 2
 
-The tree (core/tree.py [Note: world-size-independent bits]) changes three things in a step:
+The tree (core/collectives/tree.py [Note: world-size-independent bits]) changes three things in a step:
 each `no_sync()` micro-batch's gradient is added into pairwise partial sums (up to log2(k)
 gradient-sized buffers alive at once instead of accumulating in place), the cross-rank sum is
 pairwise instead of in rank order, and `clip_grad_norm_` sums squares exactly in integer bins
@@ -178,7 +178,7 @@ def _markdown(r: dict) -> str:
         "\"partial sums (peak)\": `engine.memory()[\"tree_partials\"]` at its largest over one step's micro-batches "
         f"(with k = {c['accumulate']}, at most log2(k) gradient-sized buffers; linear keeps none); \"gradient "
         "storage\": `engine.memory()[\"grads\"]` at its largest in the same step, for scale. \"clip\": "
-        "`engine.clip_grad_norm_` alone (tree: the exact integer-bin sum of squares, core/tree.py). The last "
+        "`engine.clip_grad_norm_` alone (tree: the exact integer-bin sum of squares, core/collectives/tree.py). The last "
         "column: under the tree, every stage trained stage 0's weights bit for bit."]) + "\n"
 
 

@@ -12,7 +12,7 @@ AccumulateGrad > aten::zeros", "gloo:all_gather > aten::cat"), biggest first.
 The grouping uses this thread's allocation events only: a block freed on another thread (a gloo
 worker letting go of a collective's buffer) has no free event here and still appears, so the
 groups can sum to more than the counter (that difference is itself what
-zerokit/core/gather.py [Note: frees at a fixed point] is about). Used for the fixes listed in the
+zerokit/core/collectives/gather.py [Note: frees at a fixed point] is about). Used for the fixes listed in the
 docs/benchmarks.md (stage 3's grad shards and unit gathers, the step-boundary frees).
 
     python benchmarks/investigations/where_peak.py                                   # zerokit stage 3 and FSDP2, 2 ranks

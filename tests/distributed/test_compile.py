@@ -1,4 +1,4 @@
-"""torch.compile at every stage, at world size 1 and 2 (core/unit.py [Note: torch.compile]).
+"""torch.compile at every stage, at world size 1 and 2 (core/params/unit.py [Note: torch.compile]).
 
 Two habits, both FSDP2 users': compiling each Block (`block.compile()`, torchtitan's) and compiling
 the whole model (`model.compile()`, after `zk.shard`, so `engine(...)` runs the compiled call). Each

@@ -1,4 +1,4 @@
-"""The collective recorder and debug mode (core/recorder.py, core/recorder.py [Note: debug mode]).
+"""The collective recorder and debug mode (core/collectives/recorder.py, core/collectives/recorder.py [Note: debug mode]).
 
 Every collective is recorded in ZeRO terms ("bucket 3 (blocks.2.*)", "unit blocks.0"); with
 `debug=True` ranks that are about to issue different collectives fail at once, on every rank,
@@ -22,7 +22,7 @@ import torch.distributed as dist
 import zerokit as zk
 from common import OddBlock, fixed_corpus, odd_batch, odd_model
 from zerokit.commands.step import train_step
-from zerokit.core.comm import Comm, Handle
+from zerokit.core.collectives.comm import Comm, Handle
 from zerokit.launch import RankFailed, run_ranks
 from zerokit.models import Block, build_model
 
@@ -55,7 +55,7 @@ def _one_rank_under_no_sync(rank, world_size, stage):
 
 # What each rank was about to do when they diverged. Rank 0 reduces its first bucket in backward;
 # rank 1, whose backward communicated nothing (or, at stage 3, only gathered units), reaches the
-# optimizer step: the sync point that stands for "no collective left" (core/recorder.py [Note: debug mode]).
+# optimizer step: the sync point that stands for "no collective left" (core/collectives/recorder.py [Note: debug mode]).
 RANK0_DOING = {0: "all-reducing bucket ", 1: "reduce-scattering bucket ", 2: "reduce-scattering bucket ",
                3: "reduce-scattering flat param "}  # stage 3's flat params are not buckets
 RANK1_DOING = "starting optimizer step 1"
@@ -196,7 +196,7 @@ def test_a_collective_that_times_out_prints_the_last_records(tmp_path):
     propagates rank 0 prints its last collectives, the timed-out one last, in ZeRO terms."""
     error, stderr = run_ranks(_one_rank_stops, 2, store_dir=str(tmp_path), timeout_s=120)[0]
     # gloo says "Timed out ..." (a receive) or "Application timeout caused pair closure" (a send: the root
-    # gather is broadcasts on gloo, core/gather.py [Note: gloo's all-gather temporary], and rank 0's own row
+    # gather is broadcasts on gloo, core/collectives/gather.py [Note: gloo's all-gather temporary], and rank 0's own row
     # goes out first); under TORCH_DISTRIBUTED_DEBUG=DETAIL torch's wrapper finds the missing rank first:
     # "Ranks 1 failed to pass monitoredBarrier in 3000 ms".
     assert error is not None and any(s in error.lower() for s in ("timed out", "timeout", "monitoredbarrier")), error

@@ -10,7 +10,7 @@ Users write it as they write the eager model (docs/quantization.md), inside the 
     engine = zk.shard(model, torch.optim.AdamW, stage=3, wrap=(Block,))
     engine.load_weights(path)            # optional: each weight quantized as it arrives
 
-zk.quantize on recorded weights records the quantization too (core/deferred.py), so zk.shard computes each
+zk.quantize on recorded weights records the quantization too (core/params/deferred.py), so zk.shard computes each
 weight's packed bytes unit by unit from rank 0's recorded draws. Rank 1 seeds differently on purpose. The
 reference is the eager model built after the same seed on every rank, quantized and injected the same way.
 Checked: the engines' state (packed bytes, adapters, fp32 masters) equal at the start, bit for bit, and after

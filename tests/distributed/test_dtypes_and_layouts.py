@@ -6,7 +6,7 @@ float64 model (2 gloo ranks, 4 steps, AdamW and SGD with momentum); the flat buf
 states and checkpoints are float64, and the communication ledger counts 8 bytes per element. What would
 silently round is refused naming the fix.
 
-Layouts (core/flat_param.py [Note: parameters keep their strides]): a channels_last conv net (Conv2d +
+Layouts (core/params/flat_param.py [Note: parameters keep their strides]): a channels_last conv net (Conv2d +
 BatchNorm2d + Linear) and a model with a transposed parameter, stages 0-3 beside DDP: bitwise after 4
 steps, `p.stride()` / `p.grad.stride()` / channels_last-ness as DDP's before and after the steps, and a
 checkpoint saved from a channels_last model loads into a contiguous one (and back) with equal values.
@@ -269,7 +269,7 @@ def test_float64_checkpoint_keeps_float64(fp64):
 
 def test_float64_communication_counts_8_bytes_per_element(fp64):
     """Stage 0's all-reduce of a float64 model's gradients counts 8 bytes per element (an all-reduce of B
-    bytes counts 2B: core/comm.py), twice the same model's in fp32."""
+    bytes counts 2B: core/collectives/comm.py), twice the same model's in fp32."""
     for res in fp64:
         (moved64, numel), (moved32, numel32) = res["ledger"]["fp64"], res["ledger"]["fp32"]
         assert numel == numel32 and moved64 == 2 * 8 * numel and moved32 == 2 * 4 * numel, res["ledger"]

@@ -1,8 +1,8 @@
-"""A collective's temporaries are freed by zerokit once it has completed (core/gather.py [Note: frees at a
+"""A collective's temporaries are freed by zerokit once it has completed (core/collectives/gather.py [Note: frees at a
 fixed point]), not whenever the process group's worker thread lets go of the Work.
 
 One spawn of 3 gloo ranks (3: an ordered all-reduce is not the native one there: an all-to-all, a
-sum, an all-gather; core/ordered.py [Note: ordered reduction]). Each case captures the temporary as the
+sum, an all-gather; core/collectives/ordered.py [Note: ordered reduction]). Each case captures the temporary as the
 collective is issued and checks, right after the wait, that its storage is 0 bytes while the result
 is right. Freed only when its last reference goes, the captured tensor would keep its bytes and each
 check fail deterministically. The same spawn checks where the ordered all-reduce's all-gather
@@ -17,9 +17,9 @@ import torch.distributed as dist
 import zerokit as zk
 from common import (OddBlock, allocations_while, assert_callers_buffers_freed, callers_buffers_cases, odd_batch,
                     odd_model)
-import zerokit.core.gather as gather_module
-from zerokit.core.comm import Comm
-from zerokit.core.grad_reduce import GradReduction
+import zerokit.core.collectives.gather as gather_module
+from zerokit.core.collectives.comm import Comm
+from zerokit.core.grads.grad_reduce import GradReduction
 from zerokit.launch import run_ranks
 
 WORLD_SIZE = 3
@@ -73,7 +73,7 @@ def _cases(rank, world_size):
     reduction.reduce_scatter(grad_shard).wait()
     out["reduce_dtype_copy"] = (torch.equal(grad_shard, torch.full((3,), 0.5)), [_nbytes(send)])
     out["in_place"] = {}
-    # 4-5. stages 1 and 2: the post-step all-gather is in place, no temporary at all (core/gather.py
+    # 4-5. stages 1 and 2: the post-step all-gather is in place, no temporary at all (core/collectives/gather.py
     # [Note: in-place gathers]): each input is this rank's own row of its output
     for stage in (1, 2):
         engine = zk.shard(odd_model(), torch.optim.AdamW, stage=stage, lr=1e-2)
@@ -102,7 +102,7 @@ def _cases(rank, world_size):
 
 
 def _packed_gathers(rank, world_size):
-    """core/gather.py [Note: gloo's all-gather temporary], several outputs in one group: packed into a staging
+    """core/collectives/gather.py [Note: gloo's all-gather temporary], several outputs in one group: packed into a staging
     buffer per dtype, a broadcast from each rank, copied out. Mixed dtypes, inputs that are the own rows of
     their outputs and inputs of their own. Returns (right rows, every allocation of at least a row's bytes
     while it ran, the staging buffers' sizes expected, bytes the staging holds after the wait)."""
@@ -179,7 +179,7 @@ def _train_one_step(stage: int, rank: int, world_size: int, force_arrival: bool)
 
 
 def _finishing_what_has_arrived(rank, world_size):
-    """core/comm.py [Note: finishing what has arrived], stages 1-3: (bitwise the same params as without
+    """core/collectives/comm.py [Note: finishing what has arrived], stages 1-3: (bitwise the same params as without
     forcing, the live-buffer counts)."""
     out = {}
     for stage in (1, 2, 3):
@@ -190,7 +190,7 @@ def _finishing_what_has_arrived(rank, world_size):
 
 
 def _gather_allocations(rank, world_size):
-    """core/gather.py [Note: gloo's all-gather temporary]: a gather that is not coalesced, or coalesced but
+    """core/collectives/gather.py [Note: gloo's all-gather temporary]: a gather that is not coalesced, or coalesced but
     larger than GLOO_COALESCE_NUMEL, allocates nothing on gloo, however it is called (one output, several, in
     place, any float dtype), and gathers the right rows."""
     comm = Comm()
@@ -233,7 +233,7 @@ def _logging(calls: list):
     """Log this rank's all-to-alls, all-gathers and broadcasts ("a2a", "ag", "bc") of float tensors as
     torch.distributed sees them issued (not debug mode's int64 checks), with their outputs and sizes; returns a
     function that puts torch's back."""
-    # torch before 2.13 names its all-gather into one tensor all_gather_into_tensor (core/gather.py)
+    # torch before 2.13 names its all-gather into one tensor all_gather_into_tensor (core/collectives/gather.py)
     ag = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
     originals = {name: getattr(dist, name) for name in ("all_to_all_single", ag, "broadcast")}
 
@@ -265,7 +265,7 @@ def _all_reduce_sequences(rank, world_size):
         engine.step()
     finally:
         restore()
-    buckets = len(engine.groups)  # one all-reduce per group of buckets (core/grad_reduce.py [Note: all-reduce groups])
+    buckets = len(engine.groups)  # one all-reduce per group of buckets (core/grads/grad_reduce.py [Note: all-reduce groups])
     out["stage0"] = dict(buckets=buckets, tags=[tag for tag, _, _ in calls], in_backward=in_backward,
                          received=[_nbytes(t) for tag, t, _ in calls if tag == "a2a"])
     # another kind of collective issues the waiting halves first; waits in any order; debug mode checks them
@@ -313,7 +313,7 @@ def test_a_completed_collective_holds_none_of_the_callers_bytes(results):
 
 
 def test_a_completed_reduce_scatter_frees_its_buffer_before_the_next_is_issued(results):
-    """core/comm.py [Note: finishing what has arrived]: with every earlier reduce-scatter completed, none of
+    """core/collectives/comm.py [Note: finishing what has arrived]: with every earlier reduce-scatter completed, none of
     their receive buffers is alive when the next is issued, at stages 1-3 (finished only at the end of backward,
     they would all be alive: this fails); the parameters after the step are bitwise those of a run where
     the finishes happen whenever they happen."""
@@ -336,7 +336,7 @@ def test_stages_1_and_2_gather_their_updated_shards_in_place(results):
 
 def test_the_all_gather_halves_of_stage0_go_out_together_after_the_last_all_to_all(results):
     """Stage 0 at 3 ranks: each all-reduce group's all-to-all in backward as the group fills, then the groups'
-    all-gathers together, still in backward: on gloo one packed gather, a broadcast from each rank (core/gather.py
+    all-gathers together, still in backward: on gloo one packed gather, a broadcast from each rank (core/collectives/gather.py
     [Note: gloo's all-gather temporary]); every receive buffer freed by then."""
     for rank, out in enumerate(results):
         seq = out["sequences"]["stage0"]

@@ -12,7 +12,7 @@ The reference is torch's DistributedDataParallel with `torch.optim.AdamW` on the
 batches, 2 ranks, dropout off (so that no random numbers are drawn): every stage's losses and
 weights equal it bit for bit (at 2 ranks a sum of two gradients has one order). At stage 3
 `save_pretrained()` outside `summon_full_params()` is refused with an error that names it
-(a read of its values would crash the process: core/unit.py [Note: a sharded parameter refuses reads]); inside,
+(a read of its values would crash the process: core/params/unit.py [Note: a sharded parameter refuses reads]); inside,
 every stage writes a checkpoint that `from_pretrained()` loads back equal to
 `engine.state_dict(full=True)`. One spawn runs every case.
 """

@@ -1,4 +1,4 @@
-"""Hybrid sharding (core/hybrid.py): 4 ranks as two "nodes" of 2, stages 1-3 sharded inside each node.
+"""Hybrid sharding (core/collectives/hybrid.py): 4 ranks as two "nodes" of 2, stages 1-3 sharded inside each node.
 
 One 4-rank spawn builds the groups once (`zk.hybrid_groups(2)`) and runs every case:
 - stages 1-3 with `shard_group_size=2` bitwise equal to stage 0 at 4 ranks, 10 steps of AdamW
@@ -17,7 +17,7 @@ import torch
 
 import zerokit as zk
 from tests.common import OddBlock, odd_batch, odd_model, train_zerokit
-from zerokit.core.estimate import comm_bytes_by_group
+from zerokit.core.accounting.estimate import comm_bytes_by_group
 from zerokit.launch import run_ranks
 
 STEPS, BATCH, CLIP = 10, 2, 0.05  # the odd model's gradient norm is ~1: the clip is active at every step
@@ -186,7 +186,7 @@ def test_hybrid_bytes_per_step(runs, stage):
                                              "all_gather": 0, "broadcast": 0}
         assert flat["replicate_group"]["all_reduce"] == 0
         assert sum(hybrid["world"].values()) == 0  # nothing else crosses: the world only at init
-        # the formula (core/estimate.py), up to padding: < S elements per flat buffer, in each collective
+        # the formula (core/accounting/estimate.py), up to padding: < S elements per flat buffer, in each collective
         psi, psi_t, buffers = out[("psi", stage)]
         formula = comm_bytes_by_group(psi, stage, 2, 2, world_size=4, shard_group_size=2, trainable_params=psi_t)
         assert formula["replicate_group"] == 2 * -(-psi_t // 2) * 2

@@ -1,5 +1,5 @@
 """Hybrid sharding's stop agreement spans the whole world, not the shard group (core/preemption.py
-[Note: agreeing to stop], core/hybrid.py).
+[Note: agreeing to stop], core/collectives/hybrid.py).
 
 4 gloo ranks as two "nodes" of 2 (`zk.hybrid_groups(2)`: shard groups {0, 1} and {2, 3}), stages 1-3 with
 `shard_group_size=2`. Rank 3 alone gets SIGTERM during step 1 of the user's loop (train, step, then

@@ -1,6 +1,6 @@
 """Collectives that avoid copies: the ordered reduce-scatter at 2 ranks exchanges halves
-(core/ordered.py `exchange_halves`), and an all-gather may take this rank's own row of its output as its
-input (core/gather.py [Note: in-place gathers]).
+(core/collectives/ordered.py `exchange_halves`), and an all-gather may take this rank's own row of its output as its
+input (core/collectives/gather.py [Note: in-place gathers]).
 
 One spawn of 2 gloo ranks. For each dtype and comm (rank order, tree), a reduce-scatter in place (the
 output is this rank's half of the input, as at stage 1) and one into an output of its own (stages 2
@@ -10,7 +10,7 @@ buffer of the output's size (the N-row recipe's is the input's), and that buffer
 by the time wait() returns. In-place gathers, every path (one output: on gloo at 2 ranks one all-to-all;
 several: coalesced, or not; simulated), give the rows a gather of separate inputs gives; an input that
 overlaps its output anywhere else is refused before anything is issued. A gather at 2 ranks is watched too
-(core/gather.py [Note: gloo's all-gather temporary]): one all-to-all per output (or per packed group), no
+(core/collectives/gather.py [Note: gloo's all-gather temporary]): one all-to-all per output (or per packed group), no
 broadcast, the own row sent as it is and the peer's received in place, nothing allocated beside a packed
 group's staging.
 """
@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from common import allocations_while, assert_callers_buffers_freed, callers_buffers_cases
-from zerokit.core.comm import Comm, Simulated
-from zerokit.core.ordered import rows_reduce_scatter
+from zerokit.core.collectives.comm import Comm, Simulated
+from zerokit.core.collectives.ordered import rows_reduce_scatter
 from zerokit.launch import run_ranks
 
 

@@ -24,7 +24,7 @@ STAGES = (0, 1, 2, 3)
 
 
 def _ledger_cases(rank, world_size, stages):
-    from zerokit.core.ledger import ledger
+    from zerokit.core.accounting.ledger import ledger
     from zerokit.models import Block, build_model
     from common import fixed_corpus
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import zerokit as zk
-from zerokit.core.comm import Comm, Simulated
+from zerokit.core.collectives.comm import Comm, Simulated
 from zerokit.launch import run_ranks
 from zerokit.models import Block, CharCorpus, build_model
 

@@ -2,8 +2,8 @@
 from the eager model.
 
 Rank 1 seeds differently on purpose: an eager model's values are broadcast from rank 0, a meta-built one's
-are computed on every rank from rank 0's generator state (core/materialize.py), and a recorded one's
-(zk.deferred_init, core/deferred.py) from rank 0's recorded generator states, so all start from rank 0's
+are computed on every rank from rank 0's generator state (core/params/materialize.py), and a recorded one's
+(zk.deferred_init, core/params/deferred.py) from rank 0's recorded generator states, so all start from rank 0's
 eager bits. Then 3 AdamW steps at every stage equal the same stage's steps from the eager model, bit for bit
 (which tests/distributed/test_zero12.py and test_zero3.py tie to DDP). An init that differs between ranks is
 refused on every rank, as is a recording that differs between ranks.

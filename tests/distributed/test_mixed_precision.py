@@ -209,7 +209,7 @@ def test_mixed_precision_memory_is_the_lectures_16_bytes(mixed):
             assert padded - r["psi"] < r["num_flat"] * world_size, "padding < N per flat buffer"
 
 
-# ------------------------------------------------ fp16 with a plain loss.backward() (core/hooks.py [Note: which
+# ------------------------------------------------ fp16 with a plain loss.backward() (core/grads/hooks.py [Note: which
 # backward was scaled]): refused at clip and step on every rank; never a false alarm.
 
 

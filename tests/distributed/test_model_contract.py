@@ -1,4 +1,4 @@
-"""What the engine does to and checks about the user's model (core/model_guard.py), against torch DDP.
+"""What the engine does to and checks about the user's model (core/params/model_guard.py), against torch DDP.
 
 Buffers as DDP keeps them (a BatchNorm model, ranks fed different data, every stage, fp32 and
 bf16, broadcast_buffers True and False); ranks agree before anything trains (a mismatched buffer

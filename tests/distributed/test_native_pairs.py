@@ -1,7 +1,7 @@
 """Stage 0 at one and two ranks: torch's own all-reduce (or none), and still the bits every stage and DDP give.
 
-core/ordered.py [Note: ordered reduction] says why an all-reduce at N = 2 needs no ordering (one
-addition per element, a + b == b + a) and core/comm.py `Comm.all_reduce` is where that is chosen.
+core/collectives/ordered.py [Note: ordered reduction] says why an all-reduce at N = 2 needs no ordering (one
+addition per element, a + b == b + a) and core/collectives/comm.py `Comm.all_reduce` is where that is chosen.
 These cases check both halves of that claim on gloo: the claim itself (gloo's all-reduce of two
 ranks is exactly a + b on both ranks, fp32 and bf16, and equals the ordered reduce-scatter's
 bits stages 1-3 get), and its consequence (stage 0 issues a native all-reduce and no all-to-all
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from common import odd_batch, train_torch_ddp, train_zerokit
-from zerokit.core.comm import Comm
+from zerokit.core.collectives.comm import Comm
 from zerokit.launch import run_ranks
 
 STEPS, BATCH = 4, 3

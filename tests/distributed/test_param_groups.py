@@ -18,7 +18,7 @@ STEPS, BATCH = 4, 3
 
 
 # zerokit's optimizer groups come in the order of its flat buffers: by each buffer's earliest-registered
-# parameter, descending (core/flat_param.py). `gain` is the odd model's first parameter, so it is kept
+# parameter, descending (core/params/flat_param.py). `gain` is the odd model's first parameter, so it is kept
 # out of the no-decay group (it decays at 0.2), which then comes first.
 def _no_decay(name, p):
     return p.ndim < 2 and name != "gain"

@@ -38,7 +38,7 @@ from safetensors import safe_open
 import zerokit as zk
 from common import _build_ddp
 from zerokit import quant
-from zerokit.core.estimate import estimate
+from zerokit.core.accounting.estimate import estimate
 from zerokit.launch import run_ranks
 from zerokit.models import Block, CharCorpus, build_model
 

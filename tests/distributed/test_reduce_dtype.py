@@ -24,7 +24,7 @@ import torch.distributed as dist
 import zerokit as zk
 from common import OddBlock, fixed_corpus, odd_batch, odd_model
 from zerokit.commands.step import train_step
-from zerokit.core.ledger import ledger
+from zerokit.core.accounting.ledger import ledger
 from zerokit.launch import run_ranks
 from zerokit.models import Block, build_model
 

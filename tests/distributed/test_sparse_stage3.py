@@ -1,5 +1,5 @@
 """`nn.Embedding(..., sparse=True)` at every stage, stage 3 included, against torch DDP with the same sparse
-embedding (core/unit.py `packed_grads`: a sparse `.grad` is added into the unit's zeroed flat gradient, the add
+embedding (core/params/unit.py `packed_grads`: a sparse `.grad` is added into the unit's zeroed flat gradient, the add
 autograd itself does into the `.grad` views of stages 0-2).
 
 2 gloo ranks, 4 steps of SGD on a model whose embedding is sparse (tokens repeat inside a batch, so the

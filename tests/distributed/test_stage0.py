@@ -117,7 +117,7 @@ def test_stage0_comm_is_one_all_reduce_of_the_gradients(stage0_results):
 
 
 def test_stage0_all_reduces_each_group_of_buckets_once(stage0_results):
-    """Backward issues one all-reduce per group of consecutive buckets (core/grad_reduce.py [Note: all-reduce groups]),
+    """Backward issues one all-reduce per group of consecutive buckets (core/grads/grad_reduce.py [Note: all-reduce groups]),
     in order, labelled by the group and as large as its buckets together; fewer than the buckets (the case has
     buckets below the cap of 40 elements), every group but the last holding at least the cap."""
     _, results = stage0_results

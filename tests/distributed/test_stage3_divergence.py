@@ -1,4 +1,4 @@
-"""Stage 3 with a unit that runs on some ranks only (core/recorder.py [Note: rank-dependent units]).
+"""Stage 3 with a unit that runs on some ranks only (core/collectives/recorder.py [Note: rank-dependent units]).
 
 DDP handles rank-dependent control flow with find_unused_parameters=True, and stages 0-2 match it; at
 stage 3 the ranks' collectives no longer pair up. Unchecked, rank 1 would die by SIGABRT (gloo's size

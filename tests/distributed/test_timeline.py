@@ -26,7 +26,7 @@ def _cfg(stage: int) -> dict:
 
 
 def _timelines(rank, world_size, stages):
-    from zerokit.core.ledger import ledger
+    from zerokit.core.accounting.ledger import ledger
 
     out = {}
     for stage in stages:

@@ -1,5 +1,5 @@
 """zerokit on a torch without `all_gather_single` / `reduce_scatter_single` (before 2.13), and without the
-deprecation warnings of their old names on one that has them (core/gather.py [Note: the tensor
+deprecation warnings of their old names on one that has them (core/collectives/gather.py [Note: the tensor
 collectives' names]).
 
 One spawn of 2 gloo ranks. Each rank trains stages 0-3 with torch's native reduction (the path NCCL

@@ -4,7 +4,7 @@ This is the multi-node command of docs/hybrid.md with the endpoint on localhost:
 as on its own machine (`--nnodes 2 --rdzv-backend c10d`, no `--node-rank`: the rendezvous assigns
 it), the small GPT trains at stage 3 with `--shard-group-size 2` (a node's 2 ranks shard, the two
 nodes replicate), and the weights it ends with equal, bit for bit, those of stage 0 on 4 ranks
-spawned by `zerokit train --nproc 4` (the ordered reduction: core/hybrid.py [Note: hybrid sharding]).
+spawned by `zerokit train --nproc 4` (the ordered reduction: core/collectives/hybrid.py [Note: hybrid sharding]).
 """
 import os
 import re

@@ -1,4 +1,4 @@
-"""reduction="tree": one process reproduces a 2-, 4- or 8-rank run bit for bit (core/tree.py).
+"""reduction="tree": one process reproduces a 2-, 4- or 8-rank run bit for bit (core/collectives/tree.py).
 
 The loop is the one a user writes once for every world size W: a global batch of M
 micro-batches of a fixed size; rank r takes micro-batches r*k ... (r+1)*k - 1 (k = M / W),
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import zerokit as zk
-from zerokit.core.comm import Comm, Simulated
+from zerokit.core.collectives.comm import Comm, Simulated
 from zerokit.launch import run_ranks
 
 # 0.3 is below the GPTs' gradient norms (~1-2): clipping scales every step. 5 steps (the runs' spawns took 83 s

@@ -4,7 +4,7 @@ Each loop clears gradients its own way — `model.zero_grad()` (set_to_none, tor
 in addition to or instead of `engine.zero_grad()`, `set_to_none=False`, a torch optimizer
 built over `model.parameters()` whose `zero_grad()` the loop calls, `p.grad = None` — or
 calls plain `loss.backward()`, and must train bitwise like the engine's own loop
-(core/user_grads.py [Note: param.grad belongs to the user]). `param.grad` after backward
+(core/grads/user_grads.py [Note: param.grad belongs to the user]). `param.grad` after backward
 means what it means under DDP (stage 0) or FSDP2 (stages 1-3: this rank's shard, whose
 norms are reduced over ranks), so `torch.nn.utils.clip_grad_norm_(model.parameters(), c)`
 gives `engine.clip_grad_norm_(c)`'s result. What cannot be honoured raises on every rank.
@@ -14,7 +14,7 @@ import torch
 
 import zerokit as zk
 from common import OddBlock, odd_batch, odd_model
-from zerokit.core.user_grads import ShardedGrad
+from zerokit.core.params.sharded_tensors import ShardedGrad
 from zerokit.launch import run_ranks
 
 STEPS, BATCH = 3, 3

@@ -12,11 +12,11 @@ from torch import nn
 import zerokit as zk
 from common import odd_batch, odd_model, train_torch_ddp
 from zerokit.commands.step import train_step
-from zerokit.core.comm import Comm
+from zerokit.core.collectives.comm import Comm
 from zerokit.core.config import ShardConfig
-from zerokit.core.partition import padded_numel
+from zerokit.core.params.partition import padded_numel
 from zerokit.core.precision import make_policy
-from zerokit.core.user_grads import ShardedGrad
+from zerokit.core.params.sharded_tensors import ShardedGrad
 from zerokit.launch import run_ranks
 from zerokit.stages.zero2 import Zero2Engine
 
@@ -184,7 +184,7 @@ def _cases(rank, world_size):
             engine.backward(engine(x, y))
             engine.step()  # creates the optimizer states
             engine.zero_grad()
-            if stage == 2:  # core/grad_reduce.py [Note: grad shards]: gone until the next backward reduce-scatters
+            if stage == 2:  # core/grads/grad_reduce.py [Note: grad shards]: gone until the next backward reduce-scatters
                 assert all(s.grad_shard is None for s in engine.states), "stage 2's zero_grad frees the grad shards"
                 assert all(p.grad is None for p in model.parameters()), "`.grad` is None after zero_grad, as in torch"
                 assert engine.memory().get("grads", 0) == 0, engine.memory()

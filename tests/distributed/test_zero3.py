@@ -436,7 +436,7 @@ class SometimesOddModel(OddModel):
 
 
 def test_zero_grad_frees_the_grad_shards_until_backward_reduces_into_them():
-    """[Note: grad shards] in zerokit/core/grad_reduce.py: zero_grad frees every grad shard and `.grad` is None,
+    """[Note: grad shards] in zerokit/core/grads/grad_reduce.py: zero_grad frees every grad shard and `.grad` is None,
     as after torch FSDP's zero_grad; each comes back with its unit's reduce-scatter."""
     cls, opt_kw = ADAMW
     engine = zk.shard(_model(), cls, stage=3, wrap=(OddBlock,), **opt_kw)
@@ -477,7 +477,7 @@ def test_a_units_gradients_are_autograds_own_until_its_backward_is_over():
     A block's gradients are reduce-scattered only after its parameters are freed, and on CPU each
     reduction is finished before the next block's backward goes on. After backward `.grad` shows the
     grad shard as before."""
-    from zerokit.core.unit import UnitState
+    from zerokit.core.params.unit import UnitState
 
     cls, opt_kw = ADAMW
     engine = zk.shard(_model(), cls, stage=3, wrap=(OddBlock,), **opt_kw)

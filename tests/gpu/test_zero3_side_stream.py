@@ -1,6 +1,6 @@
 """Stage 3's side-stream gathers on CUDA: issued on `engine.gather_stream`, and waited for.
 
-zerokit/core/unit.py gathers a unit on a side stream (`Unit.start_unshard`) and makes the
+zerokit/core/params/unit.py gathers a unit on a side stream (`Unit.start_unshard`) and makes the
 compute stream wait on a CUDA event before the parameters are used (`Unit.wait_unshard`).
 A missing or misplaced wait does not crash: the compute stream silently reads a buffer the
 gather has not written yet. tests/gpu/test_zero3_cuda.py checks that a CUDA stage-3 run trains
@@ -8,7 +8,7 @@ like stage 0, but on an idle GPU a small gather finishes long before the compute
 there, so it would pass without the wait. Here the race is made certain:
 
 * every freshly allocated unit buffer is filled with NaN on the compute stream (patching
-  core/unit.py's `_alloc_storage`), before the side stream's `wait_stream`, so a read that
+  core/params/unit.py's `_alloc_storage`), before the side stream's `wait_stream`, so a read that
   does not wait for the gather sees NaN, not last step's (or, with luck, the right) values;
 * every gather first sleeps on its stream (`torch.cuda._sleep`, tens of milliseconds),
   long after the CPU has queued the unit's forward or backward on the compute stream.
@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import zerokit as zk
-import zerokit.core.unit as unit_module
+import zerokit.core.params.unit as unit_module
 from common import OddBlock, odd_batch, odd_model
 from zerokit.commands.step import train_step
 

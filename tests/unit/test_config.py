@@ -1,6 +1,6 @@
 """zk.shard's options: checked once (core/config.py ShardConfig), unknown ones refused by name.
 
-Also the one reduction call every stage makes (core/grad_reduce.py GradReduction), at world
+Also the one reduction call every stage makes (core/grads/grad_reduce.py GradReduction), at world
 size 1, where a collective is the identity and what is left to check is who owns which buffer.
 """
 import dataclasses
@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import zerokit as zk
-from zerokit.core.comm import Comm
+from zerokit.core.collectives.comm import Comm
 from zerokit.core.config import ShardConfig
-from zerokit.core.grad_reduce import GradReduction
+from zerokit.core.grads.grad_reduce import GradReduction
 from zerokit.core.precision import make_policy
 from zerokit.stages.zero2 import Zero2Engine
 

@@ -1,9 +1,9 @@
-"""`zk.deferred_init()` records a construction and zk.shard replays it with an eager build's bits (core/deferred.py).
+"""`zk.deferred_init()` records a construction and zk.shard replays it with an eager build's bits (core/params/deferred.py).
 
 Each case seeds, builds the model eagerly and reads its state and the next random draw; seeds again, builds
 it inside `zk.deferred_init()`, wraps it with zk.shard (one process) and compares `engine.state_dict()` and
 the next draw: both bitwise equal, at every stage. Hugging Face models are the reason this exists: their
-constructors initialize in an order no after-the-fact replay reproduces (core/materialize.py cannot), and
+constructors initialize in an order no after-the-fact replay reproduces (core/params/materialize.py cannot), and
 they skip their init under `torch.device("meta")`. The 2-rank cases are in tests/distributed/test_meta_init_ranks.py.
 """
 import os
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import zerokit as zk
-from zerokit.core.deferred import LazyTensor, is_lazy, value
+from zerokit.core.params.deferred import LazyTensor, is_lazy, value
 from zerokit.models import GPT, Block, preset
 
 from common import TorchModules

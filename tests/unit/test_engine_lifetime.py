@@ -1,6 +1,6 @@
 """An engine the user drops is freed, model states and all, as a dropped torch DDP or FSDP module is.
 
-zerokit/core/hooks.py [Note: hooks hold the engine weakly]: the gradient hooks live on the
+zerokit/core/grads/hooks.py [Note: hooks hold the engine weakly]: the gradient hooks live on the
 parameters' C++ side, where the garbage collector cannot see them; had they held the engine,
 every engine ever built would stay in memory (a sweep of runs in one process grew by each
 run's whole model states).

@@ -1,9 +1,9 @@
-"""Hybrid sharding in the analytic formulas (core/estimate.py), `zerokit memory --shard-group-size` and
+"""Hybrid sharding in the analytic formulas (core/accounting/estimate.py), `zerokit memory --shard-group-size` and
 `zerokit plan --nodes`.
 
 No process group. A hybrid rank (shard groups of S ranks, R = N / S replicas) holds what a rank of a
 world of S holds; the bytes it sends split into its shard group's and its replicate group's
-(core/estimate.py [Note: hybrid sharding bytes]).
+(core/accounting/estimate.py [Note: hybrid sharding bytes]).
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import zerokit.core.estimate as estimate_module
-from zerokit.core.estimate import (
+import zerokit.core.accounting.estimate as estimate_module
+from zerokit.core.accounting.estimate import (
     comm_bytes_by_group,
     comm_bytes_per_step,
     estimate,
@@ -90,7 +90,7 @@ def test_bad_shard_group_size_is_refused_naming_both_numbers_and_the_fix(bad, fr
 
 
 def test_resolve_shard_group_size_returns_s():
-    """resolve_shard_group_size(S, N): None -> N, a divisor -> itself (the argument order of core/hybrid.py's check)."""
+    """resolve_shard_group_size(S, N): None -> N, a divisor -> itself (the argument order of core/collectives/hybrid.py's check)."""
     assert resolve_shard_group_size(None, 16) == 16
     assert resolve_shard_group_size(8, 16) == 8 and resolve_shard_group_size(1, 16) == 1
     with pytest.raises(ValueError, match="shard_group_size=16 does not divide world_size=8"):

@@ -1,4 +1,4 @@
-"""The analytic memory formulas (core/estimate.py), `zerokit memory` and `zerokit plan`.
+"""The analytic memory formulas (core/accounting/estimate.py), `zerokit memory` and `zerokit plan`.
 
 No process group. Activation estimates are checked against the tensors autograd really saves in
 a forward pass of models.GPT (captured with saved_tensors_hooks).
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from zerokit.cli import main, parse_bytes, parse_count
 from zerokit.commands.plan import guess_shape, lora_adapter_params, plan
-from zerokit.core.estimate import (
+from zerokit.core.accounting.estimate import (
     MemoryEstimate,
     activation_bytes_estimate,
     estimate,

@@ -7,8 +7,8 @@ from torch import nn
 
 import zerokit as zk
 from zerokit.commands.memory import simulate_rank
-from zerokit.core.estimate import activation_bytes_estimate, comm_bytes_per_step
-from zerokit.core.ledger import ActivationMeter, ledger, measure_activations
+from zerokit.core.accounting.estimate import activation_bytes_estimate, comm_bytes_per_step
+from zerokit.core.accounting.ledger import ActivationMeter, ledger, measure_activations
 from zerokit.models import GPTConfig, build_model, preset
 
 

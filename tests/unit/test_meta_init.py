@@ -1,4 +1,4 @@
-"""A model built on the meta device gets an eager build's bits (core/materialize.py), on one process.
+"""A model built on the meta device gets an eager build's bits (core/params/materialize.py), on one process.
 
 Each case seeds, builds the model eagerly and reads its state and the generator afterwards; seeds again,
 builds it under `torch.device("meta")`, wraps it with zk.shard (no process group) and compares

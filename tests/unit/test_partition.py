@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerokit.core.bucketing import plan_all_reduce_groups, plan_buckets
-from zerokit.core.partition import FlatLayout, padded_numel, shard_range
+from zerokit.core.params.bucketing import plan_all_reduce_groups, plan_buckets
+from zerokit.core.params.partition import FlatLayout, padded_numel, shard_range
 
 shapes = st.lists(st.lists(st.integers(0, 12), min_size=0, max_size=3).map(tuple), min_size=1, max_size=8)
 
@@ -99,7 +99,7 @@ def test_all_reduce_groups_close_once_they_reach_the_cap(numels, cap, keys):
 
 
 def test_stage0_all_reduces_the_small_gpts_buckets_in_groups():
-    """The case that motivated the groups (core/grad_reduce.py [Note: all-reduce groups]): the small GPT at 65,536 elements
+    """The case that motivated the groups (core/grads/grad_reduce.py [Note: all-reduce groups]): the small GPT at 65,536 elements
     with the no-decay split has 10 buckets, which stage 0 all-reduces as 5 groups; each bucket's gradient is a view
     into its group's buffer, back to back in bucket order (tests/distributed/test_stage0.py counts the collectives)."""
     import torch
@@ -188,9 +188,9 @@ def test_freed_gradient_buffers_are_really_freed(stage):
 
 @given(st.lists(st.integers(1, 50), min_size=0, max_size=30), st.integers(0, 120))
 def test_gloo_gathers_coalesce_in_consecutive_groups_under_the_limit(numels, limit):
-    """core/gather.py [Note: gloo's all-gather temporary]: every output in exactly one group, in order; a group of
+    """core/collectives/gather.py [Note: gloo's all-gather temporary]: every output in exactly one group, in order; a group of
     two or more holds at most `limit` elements; a group closes only when the next output would not fit."""
-    from zerokit.core.gather import coalesce_groups
+    from zerokit.core.collectives.gather import coalesce_groups
 
     groups = coalesce_groups(numels, limit)
     assert [i for g in groups for i in g] == list(range(len(numels)))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from zerokit.core import preemption
-from zerokit.core.comm import Comm
+from zerokit.core.collectives.comm import Comm
 
 
 @pytest.fixture

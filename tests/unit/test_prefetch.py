@@ -1,8 +1,8 @@
-"""core/prefetch.py: the recorded order stage 3 prefetches along (pure bookkeeping, no tensors)."""
+"""core/params/prefetch.py: the recorded order stage 3 prefetches along (pure bookkeeping, no tensors)."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerokit.core.prefetch import RecordedOrder, reverse_first_calls
+from zerokit.core.params.prefetch import RecordedOrder, reverse_first_calls
 
 orders = st.lists(st.integers(min_value=1, max_value=6), max_size=12)
 

@@ -16,7 +16,7 @@ from torch import nn
 
 import zerokit as zk
 from zerokit import quant
-from zerokit.core.estimate import estimate, quantized_weight_bytes
+from zerokit.core.accounting.estimate import estimate, quantized_weight_bytes
 
 # bitsandbytes' NF4 table (functional.py), the values QLoRA's kernels use.
 PUBLISHED_NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,

@@ -3,7 +3,7 @@
 Over zerokit/, benchmarks/ (not results/: generated output), scripts/, tests/, docs/ and README.md:
 - every `[Note: X]` cited is defined: a line holding only `[Note: X]` (in a comment, `# [Note: X]`) that starts a
   docstring or comment paragraph; a citation that names a file (`core/engine.py [Note: X]`, "(`optim/sharded.py`
-  [Note: X])", "`core/hybrid.py`, [Note: X]", "[Note: X] in zerokit/stages/zero3.py") is defined in that file;
+  [Note: X])", "`core/collectives/hybrid.py`, [Note: X]", "[Note: X] in zerokit/stages/zero3.py") is defined in that file;
 - every "path/file.py `name`" pointer names a file that exists and defines `name` (def, class, assignment or
   argument at any level; for `A.b`, each of A and b);
 - no class body defines a method twice (the second silently replaces the first);
@@ -76,8 +76,8 @@ def note_definitions(path, text):
 
 
 def resolve(cited, files, near=None):
-    """The scanned files a cited path names: the exact path, or every path it is a tail of (`core/unit.py` is
-    zerokit/core/unit.py); a bare name next to the citing file first."""
+    """The scanned files a cited path names: the exact path, or every path it is a tail of (`core/params/unit.py` is
+    zerokit/core/params/unit.py); a bare name next to the citing file first."""
     cited = cited.replace("\\", "").lstrip("./")
     if near and "/" not in cited:
         sibling = str(Path(near).parent / cited)

@@ -85,7 +85,7 @@ def test_stage0_phases_counts_fewer_all_reduces_with_groups_than_per_bucket(tmp_
     make fewer collectives than one per trainable bucket (counted on the same engine built here as rank 0 of 2),
     DDP's count read from DDP itself; the ratios are against DDP's sum."""
     import zerokit as zk
-    from zerokit.core.comm import Comm, Simulated
+    from zerokit.core.collectives.comm import Comm, Simulated
     from zerokit.models import Block, build_model
 
     argv = ["--nproc", "2", "--model", "tiny", "--steps", "3", "--warmup", "1", "--rounds", "1",
@@ -114,7 +114,7 @@ def test_stage1_phases_times_stage1_beside_zero_redundancy_optimizer(tmp_path):
     """2 ranks, tiny model, small buckets: all three runs, every phase timed; zerokit's count is one reduce-scatter per
     trainable bucket, torch's read from its DDP; the sums' ratios are against ZeroRedundancyOptimizer's."""
     import zerokit as zk
-    from zerokit.core.comm import Comm, Simulated
+    from zerokit.core.collectives.comm import Comm, Simulated
     from zerokit.models import Block, build_model
 
     argv = ["--nproc", "2", "--model", "tiny", "--steps", "3", "--warmup", "1", "--rounds", "1",
@@ -241,7 +241,7 @@ def test_scaling_fits_recover_known_exponents_and_rows_carry_the_formula():
     states (∝ Ψ, and at stage 3 ∝ 1/N) come back as those exponents; each row's efficiency is compute-only
     time over step time, with the optimizer over Ψ at stage 0 and Ψ/N above."""
     import scaling
-    from zerokit.core.estimate import estimate
+    from zerokit.core.accounting.estimate import estimate
     from zerokit.provenance import provenance
 
     cells = []

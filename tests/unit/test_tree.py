@@ -1,4 +1,4 @@
-"""core/tree.py on its own: the binary-counter partial sums, the pairwise row sum, the exact norm.
+"""core/collectives/tree.py on its own: the binary-counter partial sums, the pairwise row sum, the exact norm.
 
 No process group: the pieces are checked against the additions they claim to perform
 (written out by hand here, in the tree's grouping) and against fp64 arithmetic.
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerokit.core.tree import (PartialSums, exact_square_sum, is_power_of_two, norm_from_square_sum,
+from zerokit.core.collectives.tree import (PartialSums, exact_square_sum, is_power_of_two, norm_from_square_sum,
                                pairwise_sum_)
 
 

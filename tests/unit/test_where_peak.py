@@ -34,7 +34,7 @@ def test_stage3_beside_fsdp2_on_the_tiny_model(tmp_path):
     zk_run = record["runs"][0]
     # after the step (zerokit clears gradients at the start of the next one): 16Ψ/N, up to padding. A
     # gradient whose reduce-scatter completed is freed on this thread when the stage drops it, not when
-    # gloo's worker lets go of the Work (core/gather.py [Note: frees at a fixed point]); before that, one
+    # gloo's worker lets go of the Work (core/collectives/gather.py [Note: frees at a fixed point]); before that, one
     # clean-clone CI run counted the root unit's gradient (16,512 bytes) alive here.
     assert formula <= zk_run["boundary_bytes"] <= formula * 1.01
     # This thread's live blocks at the boundary hold at least the counter's bytes: a block freed on a gloo

@@ -87,7 +87,7 @@ def save(engine, directory: str | os.PathLike, extra: dict | None = None, max_sh
         problems.append(f"{type(exc).__name__}: {exc}")
     if not problems:
         try:
-            if engine.comm.replica_rank == 0:  # hybrid sharding: one copy of the shards is written (core/hybrid.py)
+            if engine.comm.replica_rank == 0:  # hybrid sharding: one copy of the shards is written (core/collectives/hybrid.py)
                 name = rank_file(engine.rank, engine.world_size)
                 records[name] = _write_rank_file(engine, snapshot_path, kinds, aliases(engine.module))
         except Exception as exc:

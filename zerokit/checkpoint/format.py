@@ -19,7 +19,7 @@ A checkpoint directory holds one committed snapshot and the pointer that names i
       rank{r}-of-{N}.safetensors    rank r: the pieces of range [r * shard_numel, (r + 1) * shard_numel) of
                                     every trainable flat param's fp32 master and per-element optimizer states
 
-Under hybrid sharding (core/hybrid.py) N is the shard group size ("world_size" in meta.json;
+Under hybrid sharding (core/collectives/hybrid.py) N is the shard group size ("world_size" in meta.json;
 "data_parallel_size" is every rank): only replica 0 writes rank files. A reader finds pieces by
 name and range, whatever N and stage wrote them.
 
@@ -405,7 +405,7 @@ def param_records(engine) -> dict[str, dict]:
             params[names_of.get(names[0], names[0])] = {
                 "names": list(names), "shape": list(shape), "dtype": str(fp.dtype).removeprefix("torch."),
                 "requires_grad": fp.requires_grad}
-        for names, stride in zip(fp.names, fp.strides):  # pieces in this storage order: core/flat_param.py
+        for names, stride in zip(fp.names, fp.strides):  # pieces in this storage order: core/params/flat_param.py
             if stride is not None:  # [Note: parameters keep their strides]; absent: contiguous
                 params[names_of.get(names[0], names[0])]["stride"] = list(stride)
         for names, p in zip(fp.names, fp.params):  # a quantized weight: how its bytes encode it

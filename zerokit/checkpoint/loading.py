@@ -258,7 +258,7 @@ def kept_ranges(engine, f, aliases: dict[str, str]):
     `engine.load_flat_params` holds one flat param's range at a time, never the model."""
     for fp in engine.flat_params:
         lo, hi = engine.kept_range(fp)
-        # (hi - lo,) padding stays zero; a quantized base's bytes stay bytes (core/flat_param.py)
+        # (hi - lo,) padding stays zero; a quantized base's bytes stay bytes (core/params/flat_param.py)
         kept = torch.zeros(hi - lo, dtype=fp.values_dtype)
         for j, (names, offset, numel) in enumerate(zip(fp.names, fp.layout.offsets, fp.layout.numels)):
             a, b = max(lo, offset), min(hi, offset + numel)
@@ -277,7 +277,7 @@ def buffer_names(engine) -> list[str]:
 def _read_param_range(f, key: str, fp, j: int, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Elements [a, b) of params[j]'s range of flat param `fp`, from the stored tensor `key` (its logical
     values): exactly those elements read (into `out`, (b - a,), when given: no second copy), or, for a
-    parameter that keeps its strides (core/flat_param.py [Note: parameters keep their strides]), the whole
+    parameter that keeps its strides (core/params/flat_param.py [Note: parameters keep their strides]), the whole
     tensor rearranged into the range's order, then sliced."""
     if fp.strides[j] is not None:
         value = fp.to_storage_order(j, f.get_tensor(key).reshape(-1))[a:b]
@@ -432,7 +432,7 @@ def _fill_restrided(out: torch.Tensor | None, pieces: list, a: int, b: int, file
                     fp, j: int, saved: tuple[int, ...] | None) -> set[int]:
     """`_fill` for a parameter saved with other strides than params[j] of `fp` has (a channels_last checkpoint
     into a contiguous model, or back): the pieces hold its elements in the saving model's storage order, so
-    the whole parameter is read, put in logical order, then in this model's (core/flat_param.py [Note:
+    the whole parameter is read, put in logical order, then in this model's (core/params/flat_param.py [Note:
     parameters keep their strides]), and [a, b) of that is kept."""
     shape, numel = fp.layout.shapes[j], fp.layout.numels[j]
     whole = None if out is None else torch.empty(numel, dtype=out.dtype)

@@ -50,7 +50,7 @@ from zerokit.checkpoint.format import (
     MODEL_FILE, MODEL_INDEX_FILE, POINTER_FILE, SafetensorsReader, master_start, open_checkpoint,
     trainable_with_masters)
 from zerokit.checkpoint.loading import _read_param_range, buffer_names
-from zerokit.core.flat_param import is_packed
+from zerokit.core.params.flat_param import is_packed
 from zerokit.quant import quantize_range
 
 PACKED_SUFFIX = "_quant"  # a quantized layer's `<layer>.weight_quant` (zerokit/quant.py) stands for `<layer>.weight`

@@ -11,7 +11,7 @@ weights on the same batches, with the same loop body. It reports per run:
   `--clip` is on: zerokit sums the squared norm over shards, torch per tensor, so the clip
   coefficients differ in the last bit and the runs drift apart by ~1e-5 over 30 steps);
 * memory: this rank's bytes by category after the last step, measured (`engine.memory()`,
-  core/ledger.py `ledger`) beside the formula (`zk.estimate`), plus activations measured
+  core/accounting/ledger.py `ledger`) beside the formula (`zk.estimate`), plus activations measured
   around the first forward+backward (saved-tensor hooks on CPU);
 * communication: logical bytes per step (ZeRO accounting: all-reduce 2B, reduce-scatter and
   all-gather B each) measured from the engine's counters beside the formula: 2Ψg for stages
@@ -113,7 +113,7 @@ def _timed_steps(cfg: dict, rank: int, world_size: int, train_one, comm_total, m
 
     Returns losses, step times, the comm bytes of the last step and the activations of the first.
     """
-    from zerokit.core.ledger import ActivationMeter
+    from zerokit.core.accounting.ledger import ActivationMeter
     from zerokit.models import CharCorpus
 
     corpus = CharCorpus.load()
@@ -142,8 +142,8 @@ def _timed_steps(cfg: dict, rank: int, world_size: int, train_one, comm_total, m
 def _run_zerokit(rank: int, world_size: int, cfg: dict, stage: int) -> dict:
     import zerokit as zk
     from zerokit.commands.step import train_step
-    from zerokit.core.estimate import activation_bytes_estimate, comm_bytes_per_step
-    from zerokit.core.ledger import ledger
+    from zerokit.core.accounting.estimate import activation_bytes_estimate, comm_bytes_per_step
+    from zerokit.core.accounting.ledger import ledger
     from zerokit.models import Block, build_model
 
     model = build_model(cfg["model"], seed=cfg["seed"])
@@ -168,7 +168,7 @@ def _run_zerokit(rank: int, world_size: int, cfg: dict, stage: int) -> dict:
 
 
 def _run_torch_ddp(rank: int, world_size: int, cfg: dict) -> dict:
-    from zerokit.core.estimate import activation_bytes_estimate, comm_bytes_per_step, estimate
+    from zerokit.core.accounting.estimate import activation_bytes_estimate, comm_bytes_per_step, estimate
     from zerokit.models import build_model
 
     model = build_model(cfg["model"], seed=cfg["seed"])

@@ -5,10 +5,10 @@
 The layout is not re-derived here: the real engine is built, for the real model structure,
 on PyTorch's "meta" device (shapes and dtypes, no storage, so even gpt2-xl costs nothing)
 as rank 0 of a simulated world (`Comm(simulate=Simulated(0, N))`, no process group). Its
-`flat_params` come from core/flat_param.py `build_flat_params` (buckets of at most
+`flat_params` come from core/params/flat_param.py `build_flat_params` (buckets of at most
 `bucket_numel` elements at stages 0 and 2, closing once they reach it at stage 1, one group
 per ZeRO-3 unit at stage 3), and each
-buffer's `FlatLayout` (core/partition.py) answers which rank owns which elements:
+buffer's `FlatLayout` (core/params/partition.py) answers which rank owns which elements:
 
     flat buffer k (padded_numel,)   | p0 ...... | p1 .. | p2 ........ | pad |
     rank r owns                     [r * shard_numel, (r + 1) * shard_numel)
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from zerokit import bench
-from zerokit.core.materialize import layout_only
-from zerokit.core.estimate import OPTIMIZER_STATE_BYTES, PRECISIONS, bytes_per_param, estimate
+from zerokit.core.params.materialize import layout_only
+from zerokit.core.accounting.estimate import OPTIMIZER_STATE_BYTES, PRECISIONS, bytes_per_param, estimate
 from zerokit.optim.whole_params import step_cost
 
 
@@ -48,7 +48,7 @@ def layout_report(model_name: str, world_size: int, stage: int, bucket_numel: in
     if lora:
         zk.lora.inject(model, targets=("q", "v"), rank=8, alpha=1.0)
     kwargs = {} if bucket_numel is None else {"bucket_numel": bucket_numel}
-    with layout_only():  # the layout alone: the meta-built model stays on meta (core/materialize.py)
+    with layout_only():  # the layout alone: the meta-built model stays on meta (core/params/materialize.py)
         engine = zk.shard(model, torch.optim.AdamW, stage=stage, precision=precision, wrap=(Block,), lr=1e-3,
                           comm=zk.Comm(simulate=zk.Simulated(0, world_size)),
                           param_groups=bench.no_decay if no_decay else None, **kwargs)

@@ -4,7 +4,7 @@
 
 prints, for Ψ = 7.5e9 parameters on N = 64 ranks with bf16 + Adam, 120 / 31.4 / 16.6 / 1.9 GB
 per rank for stages 0-3, split into params, grads, fp32 master params and optimizer states,
-beside the formula each row evaluates. The numbers come from `zerokit.core.estimate.estimate`
+beside the formula each row evaluates. The numbers come from `zerokit.core.accounting.estimate.estimate`
 (exact integers, padded shards); GB means 10^9 bytes, as in the ZeRO paper and the lecture.
 `--model NAME` takes Ψ from a models.py preset, and then also shows the stage-3 working set and
 the activations of one sequence, which the stage rows leave out. `--json PATH` writes the bytes.
@@ -13,8 +13,8 @@ the activations of one sequence, which the stage rows leave out. `--json PATH` w
 
 measures instead of computing: this one process builds the real model and plays rank 0 of N
 (`Comm(simulate=Simulated(0, N))`: collectives return correctly shaped results computed
-locally, see core/comm.py), runs one forward, backward and optimizer step on a tiny batch
-(1 sequence of 8 tokens), and prints the ledger of what it really allocated (core/ledger.py
+locally, see core/collectives/comm.py), runs one forward, backward and optimizer step on a tiny batch
+(1 sequence of 8 tokens), and prints the ledger of what it really allocated (core/accounting/ledger.py
 `ledger`) next to the formula, category by category. The values trained are meaningless (every
 "gathered" shard is a copy of this rank's own); the allocations are exactly a real rank's.
 
@@ -22,7 +22,7 @@ locally, see core/comm.py), runs one forward, backward and optimizer step on a t
 
 is hybrid sharding: stages 1-3 shard within groups of S = 8 ranks (one node) and replicate
 across the R = 2 groups, so every row uses N = S (a hybrid rank holds exactly what a rank of a
-world of S holds; core/estimate.py [Note: hybrid sharding bytes]); stage 0 shards nothing and
+world of S holds; core/accounting/estimate.py [Note: hybrid sharding bytes]); stage 0 shards nothing and
 is unchanged. The command also prints the logical bytes a rank sends per step within its
 shard group and across its replicate group (`comm_bytes_by_group`). With --simulate it plays a
 rank of a world of S for stages 1-3, for the same reason.
@@ -31,7 +31,7 @@ rank of a world of S for stages 1-3, for the same reason.
 
 is QLoRA sharded (FSDP-QLoRA's headline case: 70B on two 24 GB GPUs): LoRA adapters (Ψ_t, for
 q and v at r = 8 on the model's shape, or a GPT-3-like shape guessed from Ψ, as `zerokit plan`)
-train over a frozen base of Ψ parameters quantized to NF4 (core/estimate.py [Note: a quantized
+train over a frozen base of Ψ parameters quantized to NF4 (core/accounting/estimate.py [Note: a quantized
 base]; all Ψ counted as quantized, embeddings too). `--lora` alone keeps the base in the param
 dtype. `--gpu-memory` marks the rows whose model states fit (activations and working set apart).
 """
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from zerokit.models import GPTConfig
 
 from zerokit.cli import UNITS, model_preset, parse_bytes, parse_count, positive_int
-from zerokit.core.estimate import (
+from zerokit.core.accounting.estimate import (
     OPTIMIZER_STATE_BYTES,
     PRECISIONS,
     STAGE_NAMES,
@@ -217,9 +217,9 @@ def simulate_rank(model: "str | GPTConfig", world_size: int, stage: int, precisi
     forward, backward and optimizer step; with `save` (the command's default) also "save" and "load", see
     `simulated_save_and_load`), measured by `core.ledger.PeakMeter`, beside the bound `phase_bound`
     computes. `build="meta"` (the default) builds the model on the meta device and lets
-    zk.shard initialize it one flat param at a time (core/materialize.py); "eager" builds it whole
+    zk.shard initialize it one flat param at a time (core/params/materialize.py); "eager" builds it whole
     first, as a user without meta-device init would; "deferred" records the construction under
-    zk.deferred_init() (core/deferred.py) and works with LoRA, whose adapters are then drawn for real
+    zk.deferred_init() (core/params/deferred.py) and works with LoRA, whose adapters are then drawn for real
     after the recorded base (a meta build cannot replay them). Activations are measured around the
     forward and backward (saved tensors on CPU, the allocator on CUDA) and predicted with
     `activation_bytes_estimate`.
@@ -227,7 +227,7 @@ def simulate_rank(model: "str | GPTConfig", world_size: int, stage: int, precisi
     import torch
 
     import zerokit as zk
-    from zerokit.core.ledger import ActivationMeter, PeakMeter, ledger
+    from zerokit.core.accounting.ledger import ActivationMeter, PeakMeter, ledger
     from zerokit.models import GPT, Block, build_model, preset
 
     cfg = preset(model) if isinstance(model, str) else model
@@ -367,7 +367,7 @@ def phase_bound(result: dict[str, Any], cfg, stage: int, precision: str, baselin
     each bucket's padded elements, with `max_in_flight` and `grad_bytes`, default the param dtype's;
     required at stage 2); stages 0-1 hold every full gradient among the model states. tied head: the two
     (V, d) gradients autograd holds for a tied embedding/head beside the buffer counted above
-    (`tied_head_grad_bytes`), at every stage. Both terms are derived in core/estimate.py."""
+    (`tied_head_grad_bytes`), at every stage. Both terms are derived in core/accounting/estimate.py."""
     predicted = result["predicted"]
     states = sum(predicted[c] or 0 for c in ("params", "grads", "master_params", "optimizer_states"))
     working = tied_head_grad_bytes(cfg, precision)

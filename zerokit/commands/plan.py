@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from zerokit.cli import model_preset, parse_bytes, parse_count, positive_int
-from zerokit.core.estimate import (
+from zerokit.core.accounting.estimate import (
     activation_bytes_estimate,
     bytes_per_param,
     comm_bytes_by_group,

@@ -8,7 +8,7 @@
 In order:
 
 1. `engine.zero_grad()`: the step starts from cleared gradients, so that when it returns its
-   gradients are still there to be measured (`engine.memory()`, core/ledger.py `ledger`).
+   gradients are still there to be measured (`engine.memory()`, core/accounting/ledger.py `ledger`).
 2. For each of the n micro-batches, `loss = loss_fn(batch)` and `engine.backward(loss / n)`
    (divided only when n > 1): the first n - 1 inside `engine.no_sync()`, which accumulates
    without communicating (how each stage does it: `zk.shard(accumulate=...)`), the last one

@@ -7,19 +7,19 @@ warm-up step (so that the optimizer states exist, as in every later step) and th
 second step. At every *event* of that step each rank takes a snapshot of its live bytes by
 category:
 
-    params, grads, master_params, optimizer_states, comm_buffers   engine.memory() (core/ledger.py
+    params, grads, master_params, optimizer_states, comm_buffers   engine.memory() (core/accounting/ledger.py
                                                                    [Note: the measured ledger])
     unsharded_params, unsharded_grads                              stage 3's gathered units, also
                                                                    from engine.memory(), while alive
     activations                                                    tensors autograd holds for backward
                                                                    right now (saved-tensor hooks,
-                                                                   core/ledger.py ActivationMeter)
+                                                                   core/accounting/ledger.py ActivationMeter)
 
 The events are
 * the step's own boundaries, which this command drives: forward start, forward end, backward
   end, after step, after zero_grad;
 * every collective the engine issues, just before it is issued: the command appends a listener
-  to `engine.comm.recorder.listeners` (core/recorder.py) and labels the snapshot with the
+  to `engine.comm.recorder.listeners` (core/collectives/recorder.py) and labels the snapshot with the
   record's ZeRO-level label ("bucket 3 (blocks.2.*)", "unit blocks.0");
 * each transformer block's forward start and end and the start of its backward, observed from
   outside through the command's own module hooks (registered after the engine's, so they run
@@ -30,9 +30,9 @@ It writes `timeline.json` (every event of every rank, the formula's bytes, and t
 command, date, git commit, machine, versions, as zerokit/provenance.py records them) and
 `timeline.png`: per rank, the categories stacked over the step's events, each event's label under
 the x axis, and the formula's bytes (`zk.estimate`: model states; plus the activation estimate and,
-at stage 3, the working-set estimate of core/estimate.py) as horizontal lines.
+at stage 3, the working-set estimate of core/accounting/estimate.py) as horizontal lines.
 
-`--simulate-world-size W` runs one process playing rank 0 of W instead (core/comm.py `Simulated`,
+`--simulate-world-size W` runs one process playing rank 0 of W instead (core/collectives/comm.py `Simulated`,
 as `zerokit memory --simulate`): the allocations are a real rank's, the values meaningless.
 
 On CUDA every event also records `torch.cuda.memory_allocated()` (the allocator, which the ledger
@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=positive_int, default=None,
                    help="gloo ranks to spawn (>= 1, default 2; NCCL ranks when CUDA is used)")
     p.add_argument("--simulate-world-size", type=positive_int, default=None, metavar="W",
-                   help="instead of spawning ranks, this one process plays rank 0 of W (core/comm.py Simulated)")
+                   help="instead of spawning ranks, this one process plays rank 0 of W (core/collectives/comm.py Simulated)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16", help="default bf16")
     p.add_argument("--model", default="small", help="model preset (default small; tiny for a quick look)")
     p.add_argument("--batch-size", type=positive_int, default=4, help="sequences per rank (default 4)")
@@ -118,7 +118,7 @@ class Timeline:
         return event
 
     def on_collective(self, rec: Any) -> None:
-        """A recorder listener (core/recorder.py): called just before each collective is issued."""
+        """A recorder listener (core/collectives/recorder.py): called just before each collective is issued."""
         self.snapshot("collective", rec.label, op=rec.op, seq=rec.seq, numel=rec.numel, dtype=rec.dtype,
                       comm_phase=rec.phase)
 
@@ -165,7 +165,7 @@ def record_step(engine: Any, model: Any, batch: tuple, probe: Callable[[str, Any
     The step is forward, backward, step, zero_grad (no clipping). `probe(boundary, engine, event)`,
     if given, is called right after each boundary's snapshot (tests compare it with engine.memory()).
     """
-    from zerokit.core.ledger import ActivationMeter
+    from zerokit.core.accounting.ledger import ActivationMeter
 
     meter = ActivationMeter(exclude=model, use_cuda_allocator=False)
     timeline = Timeline(engine, meter)
@@ -207,8 +207,8 @@ def timeline_rank(rank: int, world_size: int, cfg: dict, probe: Callable | None 
     import torch
 
     import zerokit as zk
-    from zerokit.core.estimate import activation_bytes_estimate, per_rank_formula, zero3_working_set_bytes
-    from zerokit.core.ledger import ledger
+    from zerokit.core.accounting.estimate import activation_bytes_estimate, per_rank_formula, zero3_working_set_bytes
+    from zerokit.core.accounting.ledger import ledger
     from zerokit.models import Block, CharCorpus, build_model, preset
 
     if cfg["device"] == "cuda":

@@ -26,12 +26,12 @@ is refused naming the option. World size, stage and precision may change; under
 the run never stopped.
 
 `--shard-group-size S` shards stages 1-3 within groups of S ranks and replicates across them
-(core/hybrid.py); across two machines, run on each (node rank 0 and 1, HOST the first's address):
+(core/collectives/hybrid.py); across two machines, run on each (node rank 0 and 1, HOST the first's address):
 
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
         --rdzv-id job1 -m zerokit train --stage 3 --shard-group-size 2
 
-`--reduction tree` (core/tree.py) numbers the step's micro-batches globally, M = nproc ×
+`--reduction tree` (core/collectives/tree.py) numbers the step's micro-batches globally, M = nproc ×
 accumulate of them, rank r taking r·accumulate ... (r+1)·accumulate - 1, so that runs with
 the same M at different --nproc train on the same data; they then print the same weights
 digest (`weights sha256`), bit for bit.
@@ -64,10 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="micro-steps per optimizer step (no_sync; >= 1)")
     p.add_argument("--reduction", default="linear", choices=["linear", "tree"],
                    help="tree: the same weights, bit for bit, at every --nproc with the same --nproc x --accumulate "
-                        "(both powers of two); see core/tree.py")
+                        "(both powers of two); see core/collectives/tree.py")
     p.add_argument("--shard-group-size", type=positive_int, default=None, metavar="S",
                    help="hybrid sharding: stages 1-3 shard over groups of S ranks (a node's) and replicate across "
-                        "them; S divides the world size (default: the whole world); see core/hybrid.py")
+                        "them; S divides the world size (default: the whole world); see core/collectives/hybrid.py")
     p.add_argument("--lr", type=non_negative_float, default=3e-3)
     p.add_argument("--weight-decay", type=non_negative_float, default=0.1)
     p.add_argument("--clip", type=non_negative_float, default=1.0, help="global gradient-norm clip (0 = off)")
@@ -236,7 +236,7 @@ def _micro_batch(corpus, cfg: dict, block: int, step: int, micro: int, rank: int
 
     linear: each micro-step draws one global batch of nproc × batch-size rows, split by rank.
     tree: the step's M = nproc × accumulate micro-batches are numbered globally and rank r takes
-    the contiguous run r·accumulate ... — the leaves core/tree.py's binary tree expects, and
+    the contiguous run r·accumulate ... — the leaves core/collectives/tree.py's binary tree expects, and
     the same data for every split of M into ranks and micro-steps.
     """
     if cfg.get("reduction", "linear") == "tree":
@@ -273,7 +273,7 @@ def check_arguments(cfg: dict) -> None:
                 raise ValueError(f"--reduction tree needs {flag} to be a power of two (1, 2, 4, ...), got {value}: "
                                  "the binary tree over micro-batches has no other shape")
     if cfg.get("shard_group_size") is not None:
-        from zerokit.core.hybrid import check_shard_group_size
+        from zerokit.core.collectives.hybrid import check_shard_group_size
         nproc = int(os.environ.get("WORLD_SIZE", cfg["nproc"]))
         try:
             check_shard_group_size(cfg["shard_group_size"], nproc)

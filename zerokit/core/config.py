@@ -1,7 +1,7 @@
 """The options of `zk.shard`, checked once, in one frozen place.
 
 `ShardConfig` holds every option that shapes how a stage lays out and moves its tensors;
-the precision policy (core/precision.py), the loss scaler and the process group (core/comm.py)
+the precision policy (core/precision.py), the loss scaler and the process group (core/collectives/comm.py)
 travel beside it. `zk.shard` builds it, so a bad value is refused on every rank before
 anything is wrapped, and every stage constructor receives the same object: a stage reads
 the options it uses (the docstring says which stage uses which) and never sees a keyword it
@@ -18,8 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from zerokit.core.flat_param import ParamGroupFn
-from zerokit.core.tree import REDUCTIONS
+from zerokit.core.collectives.tree import REDUCTIONS
 
 DEFAULT_BUCKET_NUMEL = 1 << 22  # the most elements a default bucket holds (4 Mi; 4 bytes each in fp32)
 MIN_BUCKET_NUMEL = 1 << 15  # the fewest a default bucket holds, unless the model is smaller
@@ -55,6 +54,7 @@ def default_bucket_numel(trainable_numel: int, stage: int = 2, world_size: int =
 
 ACCUMULATE_POLICIES = ("reduce_scatter", "local")
 
+ParamGroupFn = Callable[[str, nn.Parameter], dict]  # name, param -> optimizer overrides (`param_groups`)
 WrapPolicy = tuple | type | Callable[[nn.Module], bool] | None
 
 
@@ -71,9 +71,9 @@ class ShardConfig:
     wrap: WrapPolicy = None  # stage 3: which modules are units
     prefetch: int = 1  # stage 3: units gathered ahead of the one computing
     reshard_after_forward: bool = True  # stage 3: free a unit's params between its forward and backward
-    reduction: str = "linear"  # every stage: "tree" for world-size-independent bits (core/tree.py)
-    broadcast_buffers: bool = True  # every stage: rank 0's buffers before each forward, as DDP (core/model_guard.py)
-    param_init_fn: Callable | None = None  # every stage: init of a meta-device model, per module (core/materialize.py)
+    reduction: str = "linear"  # every stage: "tree" for world-size-independent bits (core/collectives/tree.py)
+    broadcast_buffers: bool = True  # every stage: rank 0's buffers before each forward, as DDP (core/params/model_guard.py)
+    param_init_fn: Callable | None = None  # every stage: init of a meta-device model, per module (core/params/materialize.py)
 
     def __post_init__(self) -> None:
         _check_int("stage", self.stage, 0, 3)

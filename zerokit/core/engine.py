@@ -3,15 +3,15 @@
 Shared here: calling the wrapped model (with mixed precision's input cast), scaling the
 loss for fp16, the `no_sync` switch, `summon_full_params` (stage 3 overrides it; params are
 whole below), global gradient-norm clipping over shards, what user code did to `param.grad`
-(core/user_grads.py `UserGrads`), refusing an fp16 step on gradients no loss scale
+(core/grads/user_grads.py `UserGrads`), refusing an fp16 step on gradients no loss scale
 multiplied, recovery after a forward or backward that raised, and the ledgers
 (`comm_stats`, `memory`).
 
-The gradient path has one call site for every stage: the tracker (core/hooks.py) calls
-`_on_first_grad` (core/user_grads.py) and `_on_grads_ready`, which either hands the flat
+The gradient path has one call site for every stage: the tracker (core/grads/hooks.py) calls
+`_on_first_grad` (core/grads/user_grads.py) and `_on_grads_ready`, which either hands the flat
 param's state to the stage's `reduce_grads` or, inside `no_sync`, keeps the gradient local
 (under reduction="tree" in its pairwise partial sums). Per flat param the stage keeps a
-`FlatParamState` (core/flat_param.py) in `states`, indexed by `FlatParamLayout.index`.
+`FlatParamState` (core/params/flat_param.py) in `states`, indexed by `FlatParamLayout.index`.
 
 Each stage file subclasses `Engine` directly (no stage inherits from another) and
 implements the methods of "the stage interface" below, in this order in every file:
@@ -36,7 +36,7 @@ state_dict keys, and following those keys would gather a flat param more than on
 
 [Note: recovery after an exception]
 An exception inside a forward or backward (a user hook, an op, out of memory) leaves a pass
-cut short: autograd never runs the end of a backward that raised (core/hooks.py [Note: a
+cut short: autograd never runs the end of a backward that raised (core/grads/hooks.py [Note: a
 backward that raised]), stage 3 leaves units gathered, and collectives the pass issued are
 still in flight. Every stage's `zero_grad` starts with `discard_unfinished_pass`, which
 forgets the hooks' bookkeeping, waits for every collective already issued and discards its
@@ -44,7 +44,7 @@ result with the gradients, and frees stage 3's units, so training continues as i
 had never started (torch DDP refuses the next forward instead). This is exact when every rank
 raised at the same point, so that every rank issued the same collectives; when only some did,
 the ranks' collectives no longer pair up and nothing local can repair that. Under debug=True
-(core/recorder.py [Note: debug mode]) the recovering ranks' zero_grad is a checked sync point, so
+(core/collectives/recorder.py [Note: debug mode]) the recovering ranks' zero_grad is a checked sync point, so
 every rank raises at its next collective, saying to rebuild the engine; without it gloo may
 abort, a rank may wait until the group's timeout, or values could mix where sizes match.
 """
@@ -58,16 +58,16 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from zerokit.core.bucketing import InFlight
+from zerokit.core.params.bucketing import InFlight
 from zerokit.core.config import ShardConfig
-from zerokit.core.flat_param import FlatParamState
-from zerokit.core.grad_reduce import GradPath, GradReduction
+from zerokit.core.params.flat_param import FlatParamState
+from zerokit.core.grads.grad_reduce import GradPath, GradReduction
 from zerokit.core import preemption
-from zerokit.core.model_guard import ModelGuard
+from zerokit.core.params.model_guard import ModelGuard
 from zerokit.core.precision import GradScaler, LossScaler, PrecisionPolicy, cast_floating_tensors, refuse_scaled
-from zerokit.core.tree import PartialSums, exact_square_sum, norm_from_square_sum
-from zerokit.core.unit import wrap_forward_method
-from zerokit.core.user_grads import UserGrads
+from zerokit.core.collectives.tree import PartialSums, exact_square_sum, norm_from_square_sum
+from zerokit.core.params.unit import wrap_forward_method
+from zerokit.core.grads.user_grads import UserGrads
 
 
 _NORM_CHUNK_NUMEL = 1 << 20  # elements converted to fp64 at a time when summing squares
@@ -75,7 +75,7 @@ _NORM_CHUNK_NUMEL = 1 << 20  # elements converted to fp64 at a time when summing
 
 class Engine(GradPath, UserGrads):
     stage: int = -1
-    units: list = []  # stage 3's units (core/unit.py), freed by discard_unfinished_pass; none below it
+    units: list = []  # stage 3's units (core/params/unit.py), freed by discard_unfinished_pass; none below it
     keeps_flat_grads = True  # stages 0-1 keep each full gradient for good; stages 2-3 free it once reduced
     accumulates_grad_shards = True  # False at stage 1, whose grad shard lives in the full gradient
     reduce_in_no_sync = False  # stage 2's accumulate="reduce_scatter": no_sync micro-steps reduce too
@@ -93,9 +93,9 @@ class Engine(GradPath, UserGrads):
         self.rank, self.world_size = comm.rank, comm.world_size
         self.sync_gradients = True  # False inside no_sync(): accumulate locally, no communication
         # Ranks agree on the model and hold rank 0's values, or every rank raises; then buffers are kept as
-        # DDP keeps them and a model changed under the engine is refused (core/model_guard.py).
+        # DDP keeps them and a model changed under the engine is refused (core/params/model_guard.py).
         # A model built on the meta device gets its values as each stage lays it out, one flat param at a time
-        # (core/materialize.py), after the guard has checked that every rank built it so.
+        # (core/params/materialize.py), after the guard has checked that every rank built it so.
         self.guard = ModelGuard(module, comm, self.stage, config)
         # bf16/fp16: floating-point forward inputs are cast to the param dtype (None: no cast).
         self.input_dtype = policy.param_dtype if config.cast_inputs and policy.needs_master else None
@@ -104,7 +104,7 @@ class Engine(GradPath, UserGrads):
         # reduction="tree": each trainable bucket's pairwise partial sums of the step's micro-batches.
         self.partials: dict[int, PartialSums] = {}
         if config.reduction == "tree":
-            if policy.param_dtype == torch.float64:  # core/tree.py's exact bins read values as float32
+            if policy.param_dtype == torch.float64:  # core/collectives/tree.py's exact bins read values as float32
                 raise ValueError("reduction='tree' is not available for a float64 model (its exact norm reads "
                                  "float32 values): use reduction='linear', or model.float()")
             comm.use_tree()  # the cross-rank sum pairwise too; raises unless N is a power of two
@@ -121,7 +121,7 @@ class Engine(GradPath, UserGrads):
 
         First the model is checked to be the one the engine was built with (dtype, device,
         storage) and, with `broadcast_buffers` (the default), rank 0's buffers are broadcast
-        when torch DDP would (core/model_guard.py [Note: buffers as DDP keeps them]): only
+        when torch DDP would (core/params/model_guard.py [Note: buffers as DDP keeps them]): only
         here, as DDP only in `ddp(x)`, never in `model(x)`.
         Under bf16/fp16 (unless `cast_inputs=False`) floating-point tensors among the
         arguments, however nested, are cast to the param dtype first; integer and bool
@@ -139,11 +139,11 @@ class Engine(GradPath, UserGrads):
         idiom `engine.scaler.scale(loss).backward()` (core/precision.py GradScaler).
 
         fp16 under reduction="tree": by scale / N, and the reductions do not divide by N, so
-        that every fp16 leaf of the tree holds the same bits at every world size (core/tree.py).
+        that every fp16 leaf of the tree holds the same bits at every world size (core/collectives/tree.py).
         """
         if self.loss_scaler is not None:
             loss = refuse_scaled(loss, "engine.backward") * self.loss_factor
-        self.tracker.engine_backward = True  # this backward is scaled: core/hooks.py [Note: which backward was scaled]
+        self.tracker.engine_backward = True  # this backward is scaled: core/grads/hooks.py [Note: which backward was scaled]
         try:
             loss.backward()
         except BaseException as exc:
@@ -156,7 +156,7 @@ class Engine(GradPath, UserGrads):
         """Refuse to clip or step on gradients of an `engine.backward` that raised (partial), or, under fp16,
         of a backward the loss scale never multiplied.
 
-        The step divides by the loss scale (core/hooks.py [Note: which backward was scaled]); a
+        The step divides by the loss scale (core/grads/hooks.py [Note: which backward was scaled]); a
         plain `loss.backward()` would leave every gradient that many times too small. Every rank
         runs the same code, so every rank raises here.
         """
@@ -184,7 +184,7 @@ class Engine(GradPath, UserGrads):
         Stages 0-2 need nothing: every parameter is whole. Stage 3 gathers the root unit when the
         module is called; a method that runs the model without calling the module itself (a
         PEFT `PeftModel.generate` calls the inner model) needs registering there, as torch's
-        FSDP2 `register_fsdp_forward_method` (core/unit.py [Note: forward methods]). Accepted at
+        FSDP2 `register_fsdp_forward_method` (core/params/unit.py [Note: forward methods]). Accepted at
         every stage, so code runs unchanged.
         """
         if not callable(getattr(self.module, name, None)):
@@ -245,7 +245,7 @@ class Engine(GradPath, UserGrads):
     def data_parallel_rank(self) -> int:
         """Which part of the global batch this rank trains on: its rank among all data-parallel ranks.
         Equal to `rank` in one flat group; under hybrid sharding `rank` is the position in the shard
-        group (core/hybrid.py), shared by one rank of every node, so pick data with this instead."""
+        group (core/collectives/hybrid.py), shared by one rank of every node, so pick data with this instead."""
         return self.comm.world_rank
 
     @property
@@ -299,13 +299,13 @@ class Engine(GradPath, UserGrads):
         bitwise equal across stages. The coefficient is applied while the optimizer forms
         its master gradients, as torch's clip_grad_norm_ would have scaled the gradients:
         coef = max_norm / (norm + 1e-6), capped at 1. With reduction="tree" the sum of squares
-        is exact (integer bins, core/tree.py), so the norm is equal at every world size too.
+        is exact (integer bins, core/collectives/tree.py), so the norm is equal at every world size too.
         """
         self.finish_backward()
         self.check_last_backward()
         self.check_partials_sent()
         shards = self.norm_shards()
-        if self.config.reduction == "tree":  # exact, so equal at every world size: core/tree.py
+        if self.config.reduction == "tree":  # exact, so equal at every world size: core/collectives/tree.py
             bins = self.comm.all_reduce_scalars(exact_square_sum(shards), label="gradient norm bins (clip_grad_norm_)")
             return self._set_clip_coef(norm_from_square_sum(bins).to(bins.device), max_norm)
         device = shards[0].device if shards else torch.device("cpu")
@@ -334,11 +334,11 @@ class Engine(GradPath, UserGrads):
 
     # -- ledgers -------------------------------------------------------------------
     def comm_stats(self, by_group: bool = False) -> dict:
-        """Cumulative logical bytes per collective kind (ZeRO-paper accounting, see core/comm.py).
+        """Cumulative logical bytes per collective kind (ZeRO-paper accounting, see core/collectives/comm.py).
 
         `by_group=True`: {"shard_group": ..., "replicate_group": ..., "world": ...}, each per kind:
         within this rank's shard group (a node), across its replicate group (between nodes) and over
-        every rank (the initial broadcast) under hybrid sharding (core/hybrid.py); a flat group counts
+        every rank (the initial broadcast) under hybrid sharding (core/collectives/hybrid.py); a flat group counts
         everything as its shard group's.
         """
         return self.comm.stats_by_group() if by_group else self.comm.stats()
@@ -348,15 +348,15 @@ class Engine(GradPath, UserGrads):
 
         The stage's model states (params, grads, master_params, optimizer_states, and stage
         3's unsharded buffers while alive; "quantized_params", a quantized base's bytes, apart
-        from "params": core/flat_param.py [Note: packed byte parameters]) plus "comm_buffers": storage held only to
+        from "params": core/params/flat_param.py [Note: packed byte parameters]) plus "comm_buffers": storage held only to
         communicate (reduce-dtype copies, all-gather inputs) — 0 between steps. Activations
-        are measured around a forward/backward with core/ledger.py's ActivationMeter.
+        are measured around a forward/backward with core/accounting/ledger.py's ActivationMeter.
         """
         seen: set = set()
         out = {}
         categories = dict(self.memory_tensors())
         packed = [t for t in categories.get("params", []) if not t.is_floating_point()]
-        if packed:  # a quantized base: core/flat_param.py [Note: packed byte parameters]
+        if packed:  # a quantized base: core/params/flat_param.py [Note: packed byte parameters]
             categories["params"] = [t for t in categories["params"] if t.is_floating_point()]
             categories["quantized_params"] = packed
         if self.config.reduction == "tree":  # log2(k) partial sums per bucket while accumulating
@@ -423,7 +423,7 @@ class Engine(GradPath, UserGrads):
         raise NotImplementedError
 
     def _on_backward_end(self) -> None:
-        """3. Autograd finished a backward (core/hooks.py): wait for every reduction."""
+        """3. Autograd finished a backward (core/grads/hooks.py): wait for every reduction."""
         self.in_flight.wait_all()
 
     def finish_backward(self) -> None:
@@ -447,7 +447,7 @@ class Engine(GradPath, UserGrads):
         if self.world_size == 1:
             return  # the shard is the whole buffer and was updated in place
         # Each input is this rank's own range of its output: an in-place gather, no copy of the shard
-        # (core/gather.py [Note: in-place gathers]). Issued together: one round of latency, not one per
+        # (core/collectives/gather.py [Note: in-place gathers]). Issued together: one round of latency, not one per
         # bucket (on gloo packed into one staging buffer per group of at most GLOO_COALESCE_NUMEL elements,
         # whose rows are filled from every rank: [Note: gloo's all-gather temporary]).
         self.comm.all_gather_many([self.flat_data[fp.index] for fp in self.trainable],
@@ -538,7 +538,7 @@ class Engine(GradPath, UserGrads):
 
     def comm_buffer_tensors(self) -> list[torch.Tensor]:
         """Storage alive only to communicate right now (none between steps): the reductions' reduce-dtype
-        copies and outputs (the post-step gathers are in place; core/ordered.py's ordered reduction
+        copies and outputs (the post-step gathers are in place; core/collectives/ordered.py's ordered reduction
         allocates its receive buffers inside each call and drops them when the call completes)."""
         return [t for reduction in self.reductions.values() for t in reduction.transient]
 

@@ -3,7 +3,7 @@
 A model's inputs and outputs are tensors inside tuples, lists and dicts, nested freely
 (Hugging Face's `ModelOutput` is an OrderedDict subclass; namedtuples are tuples with
 fields). Mixed precision casts the floating-point ones (core/precision.py), stage 3 watches
-the gradients of the ones that require grad (core/unit.py). Both walk the nest the same way.
+the gradients of the ones that require grad (core/params/unit.py). Both walk the nest the same way.
 """
 from __future__ import annotations
 

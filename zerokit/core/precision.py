@@ -325,14 +325,14 @@ class GradScaler:
       `step` is `engine.step()` (True when it stepped, False when an inf/nan on any rank
       skipped it, on every rank alike), `update()` does nothing and `unscale_` does nothing:
       `param.grad` and `engine.clip_grad_norm_` already read unscaled gradients under fp16
-      (core/user_grads.py), so torch's clipping idiom (`unscale_`, then
+      (core/grads/user_grads.py), so torch's clipping idiom (`unscale_`, then
       `torch.nn.utils.clip_grad_norm_(model.parameters(), c)`) clips by the same norm.
     - the scale lives in the LossScaler (`engine.loss_scaler`, DeepSpeed's knobs and
       hysteresis), configured by `zk.shard(..., loss_scaler={...})`, not by this object.
 
     [Note: which backward `scale` marks]
     Under fp16 the engine refuses a step on gradients of a backward the scale never multiplied
-    (core/hooks.py [Note: which backward was scaled]). `scale(loss)` returns `loss * scale`
+    (core/grads/hooks.py [Note: which backward was scaled]). `scale(loss)` returns `loss * scale`
     with a gradient hook on it: the hook runs first in that tensor's backward (it is the root,
     before any parameter's gradient) and sets the tracker's `engine_backward` for that backward
     only, a callback queued at its end clears it again. So the mark is per backward: a scaled

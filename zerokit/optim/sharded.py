@@ -31,7 +31,7 @@ step() in numbered phases:
      rank agrees; on overflow every rank skips the step and the scaler backs off.
   2. form master gradients in fp32: grad * (clip_coef / loss_scale)  (unscale + clip once).
      A grad shard already in the master dtype (fp32 training, or gradients reduced in fp32:
-     see core/grad_reduce.py [Note: reduce dtype]) is used as it is, scaled in place: no copy
+     see core/grads/grad_reduce.py [Note: reduce dtype]) is used as it is, scaled in place: no copy
      and no second rounding; any other dtype is cast into a transient fp32 copy.
   3. optimizer.step() on the master shards.
   4. copy master -> param shard (cast to the param dtype); drop transient fp32 grads.
@@ -227,7 +227,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         inverse loss scale): the stage clears it before the next backward anyway.
         """
         assert len(grad_shards) == len(self.master_shards), (len(grad_shards), len(self.master_shards))
-        # Debug mode: a rank that skipped its backward's reductions meets the others here (core/recorder.py
+        # Debug mode: a rank that skipped its backward's reductions meets the others here (core/collectives/recorder.py
         # [Note: debug mode]); nothing otherwise.
         self.steps_called += 1
         self._opt_called = True  # what an LR scheduler's step() checks was called before it

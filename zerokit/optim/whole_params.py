@@ -50,8 +50,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zerokit.core.comm import Comm
-from zerokit.core.gather import free_storage
+from zerokit.core.collectives.comm import Comm
+from zerokit.core.collectives.gather import free_storage
 
 # torch's elementwise optimizers: each element's update reads only that element (and 0-dim per-parameter
 # counters): a 1-D shard of a flat buffer steps exactly like the parameters it holds.
@@ -82,7 +82,7 @@ def is_elementwise(optimizer_cls: type) -> bool:
 
 def _shaped(flat: torch.Tensor, shape, stride) -> torch.Tensor:
     """A parameter's (numel,) range as the module sees it: its shape, and its strides where it keeps them
-    (core/flat_param.py [Note: parameters keep their strides])."""
+    (core/params/flat_param.py [Note: parameters keep their strides])."""
     return flat.view(shape) if stride is None else flat.as_strided(shape, stride)
 
 
@@ -98,8 +98,8 @@ def crosses(offset: int, numel: int, shard_numel: int) -> bool:
 
 def step_cost(layouts, world_size: int, master_bytes: int = 4) -> dict[str, int]:
     """What the whole-parameter path adds to each step over the flat path, per rank, for these layouts
-    (core/partition.py FlatLayout: `offsets`, `numels`, `padded_numel`, `shard_numel`): counted the way
-    core/comm.py counts (an all-gather's output bytes, a broadcast's tensor bytes), and how unevenly it
+    (core/params/partition.py FlatLayout: `offsets`, `numels`, `padded_numel`, `shard_numel`): counted the way
+    core/collectives/comm.py counts (an all-gather's output bytes, a broadcast's tensor bytes), and how unevenly it
     spreads the parameters whose state a rank holds. Nothing at one rank or where the shard is the buffer."""
     out = {"buffers": len(layouts), "buffers_gathered": 0, "all_gather_bytes": 0, "broadcast_bytes": 0,
            "transient_bytes": 0, "straddlers": 0, "max_owned_elements": 0, "shard_elements": 0}

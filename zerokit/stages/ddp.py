@@ -8,7 +8,7 @@ What happens, per step:
   * construction: rank 0's parameters (frozen ones too) and buffers are broadcast; the
     parameters become views into flat buckets, their `.grad`s views into flat gradient
     buckets (so gradients land in communication-ready storage), and consecutive gradient
-    buckets lie back to back in one buffer per all-reduce group (core/grad_reduce.py
+    buckets lie back to back in one buffer per all-reduce group (core/grads/grad_reduce.py
     [Note: all-reduce groups]: DDP's bucket-closing rule, one call per group);
   * backward: as soon as every gradient of a group's buckets has been accumulated, the group
     is scaled by 1/N and all-reduced asynchronously, overlapping the rest of backward;
@@ -16,16 +16,16 @@ What happens, per step:
   * step: every rank runs the optimizer over the whole flat buffers.
 
 Collectives per step: one all-reduce of the gradients, one call per group. Logical bytes per
-rank: 2 * Ψ * g (g = gradient bytes per element; ZeRO accounting, see core/comm.py).
+rank: 2 * Ψ * g (g = gradient bytes per element; ZeRO accounting, see core/collectives/comm.py).
 
-Reduce dtype (core/grad_reduce.py [Note: reduce dtype]): with bf16 params and fp32
+Reduce dtype (core/grads/grad_reduce.py [Note: reduce dtype]): with bf16 params and fp32
 reductions, a group's all-reduce runs on an fp32 copy, and the average lives in that copy
 until `step` (2Ψ + 4Ψ gradient bytes at that moment, the copy reported as comm_buffers);
 `param.grad` then shows the average, while the bucket keeps this rank's local sum.
 
 `param.grad` is the user's, as under torch DDP: after backward it is the averaged gradient,
 and in-place changes reach the step; `model.zero_grad()`, an optimizer's `zero_grad()` or
-`p.grad = None` before the next backward are taken over (core/user_grads.py).
+`p.grad = None` before the next backward are taken over (core/grads/user_grads.py).
 
 Per-rank memory (Ψ parameters, up to padding < N elements per bucket):
   fp32 + Adam:        params 4Ψ + grads 4Ψ + optimizer_states 8Ψ                = 16Ψ
@@ -39,9 +39,9 @@ from torch import nn
 from zerokit.checkpoint import Checkpointing
 from zerokit.core.config import ShardConfig
 from zerokit.core.engine import Engine
-from zerokit.core.flat_param import FlatParamLayout, FlatParamState, build_flat_params
-from zerokit.core.grad_reduce import AllReduceGroup, all_reduce_groups
-from zerokit.core.hooks import GradReadyTracker
+from zerokit.core.params.flat_param import FlatParamLayout, FlatParamState, build_flat_params
+from zerokit.core.grads.grad_reduce import AllReduceGroup, all_reduce_groups
+from zerokit.core.grads.hooks import GradReadyTracker
 from zerokit.optim.sharded import ShardedOptimizer
 
 
@@ -52,7 +52,7 @@ class DDPEngine(Checkpointing, Engine):
     def __init__(self, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *, comm, policy, scaler,
                  config: ShardConfig):
         super().__init__(module, comm, policy, scaler, config)
-        infos = self.guard.params  # checked to agree across ranks, rank 0's values broadcast: core/model_guard.py
+        infos = self.guard.params  # checked to agree across ranks, rank 0's values broadcast: core/params/model_guard.py
         self.flat_params: list[FlatParamLayout] = build_flat_params(infos, self.world_size, self.rank,
                                                                     config.bucket_numel)
         self.flat_data: list[torch.Tensor] = []  # (padded_numel,) param dtype, one per bucket
@@ -63,7 +63,7 @@ class DDPEngine(Checkpointing, Engine):
             self.flat_data.append(data)
             fp32_values.append(fp32)
         self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
-        # Consecutive trainable buckets share one gradient buffer and one all-reduce: core/grad_reduce.py
+        # Consecutive trainable buckets share one gradient buffer and one all-reduce: core/grads/grad_reduce.py
         # [Note: all-reduce groups].
         self.groups = all_reduce_groups(self.trainable, config.bucket_numel)
         self.group_of = {fp.index: group for group in self.groups for fp in group.members}
@@ -83,7 +83,7 @@ class DDPEngine(Checkpointing, Engine):
     def _on_grads_ready(self, fp: FlatParamLayout) -> None:
         """A bucket's gradients are all accumulated; once its group's are, the group is reduced (core/engine.py)."""
         group = self.group_of[fp.index]
-        if fp is group.members[-1]:  # buckets are released in order (core/hooks.py): the group's last one comes last
+        if fp is group.members[-1]:  # buckets are released in order (core/grads/hooks.py): the group's last one comes last
             self.reduce_or_hold(group)
 
     def reduce_grads(self, group: AllReduceGroup) -> None:
@@ -93,7 +93,7 @@ class DDPEngine(Checkpointing, Engine):
         reduction.all_reduce()
         if reduction.copied or self.loss_scaler is not None:
             # `.grad` shows the average (not the bucket's local sum), and under fp16 unscaled
-            # norms: a replicated ShardedGrad (core/user_grads.py), so that
+            # norms: a replicated ShardedGrad (core/params/sharded_tensors.py), so that
             # torch.nn.utils.clip_grad_norm_ equals engine.clip_grad_norm_.
             for fp in group.members:
                 fp.show_grads(fp.sharded_grads(group.grad_of(fp, reduction.result), None, lambda: self.loss_scale))

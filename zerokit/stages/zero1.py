@@ -19,11 +19,11 @@ Per step (differences from stage 0 marked *):
     buffers in place, so the module's parameters see the new values.
 
 Collectives per step: a reduce-scatter of the gradients (Ψ·g bytes) and an all-gather of the params
-(Ψ·p): with g = p, stage 0's all-reduce (core/comm.py). Per-rank memory (Ψ parameters, N ranks):
+(Ψ·p): with g = p, stage 0's all-reduce (core/collectives/comm.py). Per-rank memory (Ψ parameters, N ranks):
   fp32 + Adam:       params 4Ψ + grads 4Ψ + optimizer_states 8Ψ/N
   bf16/fp16 + Adam:  params 2Ψ + grads 2Ψ + master_params 4Ψ/N + optimizer_states 8Ψ/N = 4Ψ + 12Ψ/N
 `param.grad` after a synced backward shows this rank's range of the average, a ShardedGrad
-(core/user_grads.py [Note: param.grad belongs to the user]); a second synced backward without clearing
+(core/grads/user_grads.py [Note: param.grad belongs to the user]); a second synced backward without clearing
 is refused (accumulate inside `no_sync()`). The reduce dtype, `.grad` and no_sync in detail:
 docs/stages.md, "Stage 1".
 """
@@ -35,8 +35,8 @@ from torch import nn
 from zerokit.checkpoint import Checkpointing
 from zerokit.core.config import ShardConfig
 from zerokit.core.engine import Engine
-from zerokit.core.flat_param import FlatParamLayout, FlatParamState, build_flat_params
-from zerokit.core.hooks import GradReadyTracker
+from zerokit.core.params.flat_param import FlatParamLayout, FlatParamState, build_flat_params
+from zerokit.core.grads.hooks import GradReadyTracker
 from zerokit.optim.sharded import ShardedOptimizer
 
 
@@ -53,14 +53,14 @@ class Zero1Engine(Checkpointing, Engine):
         # Stage 1 keeps every bucket's whole gradient through backward, so a bucket's size sets only how
         # finely the reduce-scatters are cut, not how much memory they hold: fewer, larger collectives
         # cost less latency (each is a rendezvous of every rank). Stage 0 gets that by all-reducing
-        # groups of buckets from one buffer (core/grad_reduce.py [Note: all-reduce groups]); stage 1 cannot: a
+        # groups of buckets from one buffer (core/grads/grad_reduce.py [Note: all-reduce groups]); stage 1 cannot: a
         # reduce-scatter of two buckets laid end to end gives a rank a range of the concatenation, not
         # its shard of each. So stage 1 makes the buckets themselves larger: one closes once it holds
-        # `bucket_numel` elements (core/bucketing.py `plan_buckets(..., close_when_full=True)`), as torch
+        # `bucket_numel` elements (core/params/bucketing.py `plan_buckets(..., close_when_full=True)`), as torch
         # DDP closes its buckets, where stage 2, which frees a bucket's gradient after its reduce-scatter,
-        # keeps the cap as a bound. The bits are the stages' own either way (core/ordered.py [Note: ordered
+        # keeps the cap as a bound. The bits are the stages' own either way (core/collectives/ordered.py [Note: ordered
         # reduction] sums in rank order, whatever the buckets).
-        infos = self.guard.params  # checked to agree across ranks, rank 0's values broadcast: core/model_guard.py
+        infos = self.guard.params  # checked to agree across ranks, rank 0's values broadcast: core/params/model_guard.py
         self.flat_params: list[FlatParamLayout] = build_flat_params(infos, self.world_size, self.rank,
                                                                     config.bucket_numel, close_when_full=True)
         self.flat_data: list[torch.Tensor] = []  # (padded_numel,) param dtype, one per bucket
@@ -94,10 +94,10 @@ class Zero1Engine(Checkpointing, Engine):
     def reduce_grads(self, state: FlatParamState) -> None:
         """A bucket's gradients are all accumulated: reduce-scatter it now, while backward goes on (buckets are
         released in bucket order: the same collective sequence on every rank). The rank-average of this
-        rank's range overwrites that range (the grad shard): core/grad_reduce.py `reduce_scatter_grad`."""
+        rank's range overwrites that range (the grad shard): core/grads/grad_reduce.py `reduce_scatter_grad`."""
         copied = self.reduce_scatter_grad(state).copied
         # The CPU waits for the oldest: at most two reduce-dtype copies alive, and at most `max_in_flight` receive
-        # buffers (half a bucket each at N = 2, a bucket at 3+: core/ordered.py), which would otherwise pile up
+        # buffers (half a bucket each at N = 2, a bucket at 3+: core/collectives/ordered.py), which would otherwise pile up
         # for as long as the process group's thread lags behind backward.
         self.in_flight.wait_until(1 if copied else self.max_in_flight)
 

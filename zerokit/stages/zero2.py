@@ -4,9 +4,9 @@ Stage 1 keeps every full gradient until backward ends, although after its reduce
 only its own range. Stage 2 reduce-scatters each bucket from the gradient hook the moment that bucket
 is complete, during backward, and releases the bucket's full-size gradient storage as soon as that
 reduce-scatter has completed: only the grad shards persist (from the first reduce-scatter to
-zero_grad: core/grad_reduce.py [Note: grad shards]). A bucket's storage is allocated again lazily,
+zero_grad: core/grads/grad_reduce.py [Note: grad shards]). A bucket's storage is allocated again lazily,
 just before autograd accumulates its first gradient of the next backward (a gradient pre-hook:
-core/hooks.py).
+core/grads/hooks.py).
 
 Per step (differences from stage 1 marked *):
   * construction: as stage 1 (broadcast, flat buckets, an optimizer over this rank's param_shard
@@ -34,8 +34,8 @@ from torch import nn
 from zerokit.checkpoint import Checkpointing
 from zerokit.core.config import ShardConfig
 from zerokit.core.engine import Engine
-from zerokit.core.flat_param import FlatParamLayout, FlatParamState, build_flat_params
-from zerokit.core.hooks import GradReadyTracker
+from zerokit.core.params.flat_param import FlatParamLayout, FlatParamState, build_flat_params
+from zerokit.core.grads.hooks import GradReadyTracker
 from zerokit.optim.sharded import ShardedOptimizer
 
 
@@ -49,7 +49,7 @@ class Zero2Engine(Checkpointing, Engine):
         super().__init__(module, comm, policy, scaler, config)
         self.reduce_in_no_sync = config.accumulate == "reduce_scatter"  # how no_sync() accumulates (docstring)
         self.max_in_flight = config.max_in_flight  # reduce-scatters left running before a hook waits
-        infos = self.guard.params  # checked to agree across ranks, rank 0's values broadcast: core/model_guard.py
+        infos = self.guard.params  # checked to agree across ranks, rank 0's values broadcast: core/params/model_guard.py
         self.flat_params: list[FlatParamLayout] = build_flat_params(infos, self.world_size, self.rank,
                                                                     config.bucket_numel)
         self.flat_data: list[torch.Tensor] = []  # (padded_numel,) param dtype, one per bucket
@@ -64,9 +64,9 @@ class Zero2Engine(Checkpointing, Engine):
                                else fp.shard_of(fp32).clone())
         self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
         for fp in self.flat_params:  # (padded_numel,) full gradients: None except while a bucket is accumulated
-            # or reduce-scattered (or kept by no_sync under accumulate="local"); made by core/user_grads.py
+            # or reduce-scattered (or kept by no_sync under accumulate="local"); made by core/grads/user_grads.py
             fp.use_as_grad_storage(None)
-        # grad shards: allocated by the first reduce-scatter, freed by zero_grad: core/grad_reduce.py
+        # grad shards: allocated by the first reduce-scatter, freed by zero_grad: core/grads/grad_reduce.py
         # [Note: grad shards]
         self.optimizer = ShardedOptimizer(
             optimizer_cls, optimizer_kwargs,
@@ -80,7 +80,7 @@ class Zero2Engine(Checkpointing, Engine):
     # 2. gradient hook ---------------------------------------------------------------
     def reduce_grads(self, state: FlatParamState) -> None:
         """A bucket's gradients are all accumulated: reduce-scatter now (into the grad shard, added to what an
-        earlier backward left there), free the full buffer when done: core/grad_reduce.py `reduce_scatter_grad`."""
+        earlier backward left there), free the full buffer when done: core/grads/grad_reduce.py `reduce_scatter_grad`."""
         self.reduce_scatter_grad(state)
         # The CPU waits here for the oldest buckets, which bounds the full-size gradient
         # memory alive at once (module docstring) at the price of less overlap.
@@ -103,6 +103,6 @@ class Zero2Engine(Checkpointing, Engine):
         self.begin_zero_grad()  # a pass that raised, the clip coefficient, the tree's partial sums: core/engine.py
         for fp in self.trainable:
             state = self.states[fp.index]
-            self.drop_grad_shard(state)  # and a bucket kept by no_sync ("local") and never sent: core/grad_reduce.py
+            self.drop_grad_shard(state)  # and a bucket kept by no_sync ("local") and never sent: core/grads/grad_reduce.py
 
     # 6. state_dict (the fp32 masters all-gathered), what it holds, checkpoint hook: core/engine.py ----------

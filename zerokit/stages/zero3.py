@@ -2,22 +2,22 @@
 
 Stage 2 still holds every parameter whole between steps, although a rank updates only its own range.
 Stage 3 keeps only the param shards, and gathers a group of modules' parameters whole just for that
-group's forward and backward: a *unit* (core/unit.py). That is the one idea this file adds to stage 2;
+group's forward and backward: a *unit* (core/params/unit.py). That is the one idea this file adds to stage 2;
 the gradient path is stage 2's, except that a unit's gradients are packed and reduced once the unit's
 backward is over (the Notes at "2. gradient hook" below).
 
 `wrap=` splits the model into units (e.g. every GPT `Block`); the root unit holds every parameter no
 unit claims (embeddings, final norm, the tied head). Each unit's flat params keep only this rank's
 range: param_shard (shard_numel,), persistent, which the optimizer's master covers; grad_shard, from
-the first reduce-scatter after zero_grad (core/grad_reduce.py [Note: grad shards]); flat_data
-(padded_numel,), whose storage is 0 bytes whenever the unit is sharded (core/unit.py [Note: storage,
+the first reduce-scatter after zero_grad (core/grads/grad_reduce.py [Note: grad shards]); flat_data
+(padded_numel,), whose storage is 0 bytes whenever the unit is sharded (core/params/unit.py [Note: storage,
 not .data]).
 
 Per step (differences from stage 2 marked *):
   * construction: as stage 2, *but the param shards are copies and the flat buffers' storage is freed;
   * *forward: the root is gathered when the model is called; a forward pre-hook gathers each unit
-    (prefetched: core/prefetch.py), and a forward hook frees it (`reshard_after_forward=True`);
-  * backward: *a hook on a unit's outputs gathers it again (core/unit.py [Note: gather again in
+    (prefetched: core/params/prefetch.py), and a forward hook frees it (`reshard_after_forward=True`);
+  * backward: *a hook on a unit's outputs gathers it again (core/params/unit.py [Note: gather again in
     backward]); once the unit's backward is over it is freed, then its gradients are packed and
     reduce-scattered into its grad shards;
   * step: every rank updates its own shard. *No all-gather after it: the next forward gathers.
@@ -25,8 +25,8 @@ Per step (differences from stage 2 marked *):
 Collectives per step: all-gathers of Ψ·p in forward and in backward (the root stays gathered) and a
 reduce-scatter of Ψ·g: 3Ψ·g when p = g, 1.5x DDP's. Per-rank memory: 16Ψ/N (fp32 or bf16 with Adam)
 plus the working set, root + (1 + prefetch) units. Every rank must run the same units in the same
-order (core/recorder.py [Note: rank-dependent units]); a method that runs the model without calling it
-(a PEFT `generate`) is registered with `register_forward_method` (core/unit.py [Note: forward methods]).
+order (core/collectives/recorder.py [Note: rank-dependent units]); a method that runs the model without calling it
+(a PEFT `generate`) is registered with `register_forward_method` (core/params/unit.py [Note: forward methods]).
 Collectives, memory and the device-dependent overlap in detail: docs/stages.md, "Stage 3 in detail".
 """
 from __future__ import annotations
@@ -40,12 +40,12 @@ from torch import nn
 from zerokit.checkpoint import Checkpointing
 from zerokit.core.config import ShardConfig
 from zerokit.core.engine import Engine
-from zerokit.core.flat_param import FlatParamLayout, FlatParamState, build_flat_params
-from zerokit.core.gather import free_storage
-from zerokit.core.hooks import GradReadyTracker
+from zerokit.core.params.flat_param import FlatParamLayout, FlatParamState, build_flat_params
+from zerokit.core.collectives.gather import free_storage
+from zerokit.core.grads.hooks import GradReadyTracker
 from zerokit.core.nest import tensors_in
-from zerokit.core.prefetch import RecordedOrder, reverse_first_calls
-from zerokit.core.unit import (Unit, eager, gathered, hand_over_all, packed_grads, prefetch, reshard_all,
+from zerokit.core.params.prefetch import RecordedOrder, reverse_first_calls
+from zerokit.core.params.unit import (Unit, eager, gathered, hand_over_all, packed_grads, prefetch, reshard_all,
                                split_into_units)
 from zerokit.optim.sharded import ShardedOptimizer
 
@@ -61,7 +61,7 @@ class Zero3Engine(Checkpointing, Engine):
         super().__init__(module, comm, policy, scaler, config)
         self.prefetch = config.prefetch  # units gathered ahead of the one computing
         self.reshard_after_forward = config.reshard_after_forward
-        infos = self.guard.params  # checked to agree across ranks, rank 0's values broadcast: core/model_guard.py
+        infos = self.guard.params  # checked to agree across ranks, rank 0's values broadcast: core/params/model_guard.py
         unit_members = split_into_units(module, config.wrap, infos)  # raises on a tie across units, on every rank
         self.flat_params: list[FlatParamLayout] = []  # root's first, then each unit's, in registration order
         units_flat_params = []  # per unit: its flat params, one per group, never split (bucket_numel None)
@@ -77,12 +77,12 @@ class Zero3Engine(Checkpointing, Engine):
             data, fp32 = fp.flatten_params(policy.param_dtype)  # bf16/fp16 params (frozen too) when mixed
             self.param_shards.append(fp.shard_of(data).clone())
             fp32_values.append(fp.shard_of(fp32).clone())  # (under fp32, data and fp32 are one tensor)
-            free_storage(data)  # the params stay views of it for good: core/unit.py [Note: storage, not .data]
+            free_storage(data)  # the params stay views of it for good: core/params/unit.py [Note: storage, not .data]
             self.flat_data.append(data)
         self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
         for fp in self.flat_params:  # (padded_numel,) full gradients: None except while a flat param is
             # accumulated or reduce-scattered (or kept by no_sync); [Note: gradients packed when complete]
-            fp.use_as_grad_storage(None)  # grad shards: allocated by the first reduce-scatter (core/grad_reduce.py
+            fp.use_as_grad_storage(None)  # grad shards: allocated by the first reduce-scatter (core/grads/grad_reduce.py
             # [Note: grad shards])
         self.optimizer = ShardedOptimizer(
             optimizer_cls, optimizer_kwargs,
@@ -97,7 +97,7 @@ class Zero3Engine(Checkpointing, Engine):
 
     def _build_units(self, named_modules: list[tuple[str, nn.Module]], units_flat_params) -> None:
         """One Unit per wrapped module (the root first) and the hooks that drive them: stage 3's one idea."""
-        # CUDA: gathers run on a side stream so they overlap compute (core/unit.py).
+        # CUDA: gathers run on a side stream so they overlap compute (core/params/unit.py).
         on_cuda = bool(self.flat_params) and self.flat_params[0].device.type == "cuda"
         self.gather_stream = torch.cuda.Stream() if on_cuda else None
         self.units: list[Unit] = []
@@ -109,10 +109,10 @@ class Zero3Engine(Checkpointing, Engine):
         self.forward_order = RecordedOrder([unit.index for unit in self.units[1:]])  # first guess: registration
         self.backward_order = RecordedOrder(reverse_first_calls(self.forward_order.recorded))
         self._in_forward = False
-        self.comm.first_step_checks = True  # until the first step: core/recorder.py [Note: rank-dependent units]
+        self.comm.first_step_checks = True  # until the first step: core/collectives/recorder.py [Note: rank-dependent units]
         self._handles = [self.module.register_forward_pre_hook(eager(self._root_pre_forward)),
                          self.module.register_forward_hook(eager(self._root_post_forward))]
-        for unit in self.units[1:]:  # eager: run as they are under torch.compile, core/unit.py [Note: torch.compile]
+        for unit in self.units[1:]:  # eager: run as they are under torch.compile, core/params/unit.py [Note: torch.compile]
             self._handles += [unit.module.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True),
                               unit.module.register_forward_hook(self._make_post_forward(unit))]
 
@@ -130,7 +130,7 @@ class Zero3Engine(Checkpointing, Engine):
         if self.tracker.in_backward:
             return
         self._in_forward = False
-        if self.forward_order.end():  # a new order: core/prefetch.py [Note: recorded prefetch order]
+        if self.forward_order.end():  # a new order: core/params/prefetch.py [Note: recorded prefetch order]
             self.backward_order = RecordedOrder(reverse_first_calls(self.forward_order.recorded))
         if not any(t.requires_grad for t in tensors_in(output)):  # no backward will follow: free everything now
             reshard_all(self.units)
@@ -139,7 +139,7 @@ class Zero3Engine(Checkpointing, Engine):
 
     def _make_pre_forward(self, unit: Unit):
         def pre_forward(module, args, kwargs):
-            if self.tracker.in_backward:  # checkpoint recompute: core/unit.py [Note: activation checkpointing]
+            if self.tracker.in_backward:  # checkpoint recompute: core/params/unit.py [Note: activation checkpointing]
                 unit.unshard("backward")
                 return None
             self.forward_order.visit(unit.index)
@@ -170,9 +170,9 @@ class Zero3Engine(Checkpointing, Engine):
     # first accumulation. At stage 3 a unit's whole flat gradient would then be allocated early in its
     # backward, while its activations are all still live and most of its gradients not yet computed
     # (FSDP2 does not allocate it either). Instead `.grad` is None when autograd reaches a flat param
-    # (`packs_grads`, core/user_grads.py), autograd makes each parameter's gradient, and when the unit's
+    # (`packs_grads`, core/grads/user_grads.py), autograd makes each parameter's gradient, and when the unit's
     # backward is over (`_reduce_unit_grads`) they are added into a zeroed (padded_numel,) buffer, `.grad`
-    # becomes its views, and autograd's tensors go (core/unit.py `packed_grads`). Adding onto zeros is
+    # becomes its views, and autograd's tensors go (core/params/unit.py `packed_grads`). Adding onto zeros is
     # what autograd's accumulation into a zeroed view did, so the bits are those of stages 0-2. When a
     # full gradient already exists (kept by no_sync) or user code assigned a `.grad`, autograd
     # accumulates into the full gradient's views, as at stages 0-2.
@@ -185,7 +185,7 @@ class Zero3Engine(Checkpointing, Engine):
     # reduce-scatter clones its input instead) would sit beside the rest of the block's backward, its
     # activations and gathered parameters. So, as FSDP2's post-backward does for its parameter group, a unit's
     # complete gradients wait until its backward is over (every trainable gradient complete, and its
-    # inputs' gradient computed: core/unit.py [Note: gather again in backward]); then the unit is freed
+    # inputs' gradient computed: core/params/unit.py [Note: gather again in backward]); then the unit is freed
     # and only then are its gradients packed and reduce-scattered, one after the other. The root, whole
     # until the end of backward, reduces each flat param as it completes.
     #
@@ -213,8 +213,8 @@ class Zero3Engine(Checkpointing, Engine):
         self.in_flight.wait_until(len(states) if self.gather_stream is not None else 0)
 
     def reduce_grads(self, state: FlatParamState) -> None:
-        """Reduce-scatter now (into the grad shard, allocated if zero_grad freed it: core/grad_reduce.py [Note: grad
-        shards]), free the full buffer when done: core/grad_reduce.py `reduce_scatter_grad`."""
+        """Reduce-scatter now (into the grad shard, allocated if zero_grad freed it: core/grads/grad_reduce.py [Note: grad
+        shards]), free the full buffer when done: core/grads/grad_reduce.py `reduce_scatter_grad`."""
         self.reduce_scatter_grad(state)
 
     # 3. finish backward ---------------------------------------------------------------
@@ -222,7 +222,7 @@ class Zero3Engine(Checkpointing, Engine):
         hand_over_all(self.units)  # a unit whose inputs' gradient never came: its gradients go now
         self.in_flight.wait_all()
         reshard_all(self.units)
-        self.backward_order.end()  # re-recorded if it changed: core/prefetch.py
+        self.backward_order.end()  # re-recorded if it changed: core/params/prefetch.py
 
     def finish_backward(self) -> None:
         self.tracker.finish_if_pending()
@@ -241,7 +241,7 @@ class Zero3Engine(Checkpointing, Engine):
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
         self.begin_zero_grad(forward_cut_short=self._in_forward)  # a pass that raised, ...: core/engine.py
-        for fp in self.trainable:  # core/grad_reduce.py [Note: grad shards]
+        for fp in self.trainable:  # core/grads/grad_reduce.py [Note: grad shards]
             state = self.states[fp.index]
             state.unpacked = False  # a backward left half-done: its params' own gradients go too
             self.drop_grad_shard(state)  # and a gradient kept by no_sync and never sent; `.grad` is None
@@ -265,7 +265,7 @@ class Zero3Engine(Checkpointing, Engine):
         """Every parameter whole inside the block (evaluation, initialisation, inspection). A collective.
 
         Works at any point of a step: units the step has gathered stay gathered, every other
-        unit is gathered for the block (core/unit.py `gathered`). With `writeback`, changes
+        unit is gathered for the block (core/params/unit.py `gathered`). With `writeback`, changes
         made inside the block are written back into this rank's shards on exit (and into the
         fp32 masters, for the elements whose low-precision value changed: core/engine.py
         `write_back`). Make the same change on every rank. `writeback=False` promises the

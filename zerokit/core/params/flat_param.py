@@ -46,18 +46,18 @@ from typing import Callable
 import torch
 from torch import nn
 
-from zerokit.core.bucketing import plan_buckets
-from zerokit.core.materialize import deferred_of, is_deferred
-from zerokit.core.partition import FlatLayout
+from zerokit.core.params.bucketing import plan_buckets
+from zerokit.core.config import ParamGroupFn
+from zerokit.core.params.materialize import deferred_of, is_deferred
+from zerokit.core.params.partition import FlatLayout
 from zerokit.core.precision import master_dtype_of
-from zerokit.core.user_grads import ShardedGrad
+from zerokit.core.params.sharded_tensors import ShardedGrad
 
 # The engine's own reads and writes of `.grad` skip Python-level dispatch: a stage-3 parameter whose
-# unit is sharded routes every attribute through its class's __torch_function__ (core/unit.py [Note:
+# unit is sharded routes every attribute through its class's __torch_function__ (core/params/unit.py [Note:
 # a sharded parameter refuses reads]), a few microseconds each, and those calls read no values.
 _no_subclass_dispatch = torch._C.DisableTorchFunctionSubclass
 
-ParamGroupFn = Callable[[str, nn.Parameter], dict]
 
 
 class FlatParamLayout:
@@ -66,7 +66,7 @@ class FlatParamLayout:
     The storage is the stage's: `flat_data` (padded_numel,) params (a list indexed by
     `index`), and the gradients on its `FlatParamState` (below). This object makes module
     parameters views into them (`flatten_params`, `use_as_param_storage`,
-    `use_as_grad_storage`) and remembers what it put in each `.grad` (core/user_grads.py).
+    `use_as_grad_storage`) and remembers what it put in each `.grad` (core/grads/user_grads.py).
     `kind` is what it is called in words: a "bucket" at stages 0-2, a "flat param" at stage 3.
     """
 
@@ -107,7 +107,7 @@ class FlatParamLayout:
     @functools.cached_property
     def label(self) -> str:
         """This flat param in words: "bucket 3 (blocks.2.*)" (stage 3: "flat param 3 (blocks.2.*)"). What the
-        collective recorder (core/recorder.py) and debug mode's errors name a reduction by; the index is its
+        collective recorder (core/collectives/recorder.py) and debug mode's errors name a reduction by; the index is its
         collective order."""
         return f"{self.kind} {self.index} ({summarize_names([names[0] for names in self.names])})"
 
@@ -181,7 +181,7 @@ class FlatParamLayout:
         """Write the parameters' current values into `flat` (padding stays zero).
 
         A parameter built on the meta device gets its initialized values here, this flat param's alone
-        (core/materialize.py [Note: the same bits as an eager build]).
+        (core/params/materialize.py [Note: the same bits as an eager build]).
         """
         views = self.views(flat)
         for view, p in zip(views, self.params):
@@ -214,10 +214,10 @@ class FlatParamLayout:
         self._grad_views = cached
 
     def show_grads(self, grads: list[torch.Tensor | None]) -> None:
-        """Put grads[j] in params[j].grad and remember it: see core/user_grads.py [Note: param.grad belongs to
+        """Put grads[j] in params[j].grad and remember it: see core/grads/user_grads.py [Note: param.grad belongs to
         the user]."""
         self._grad_views = None  # use_as_grad_storage keeps its views only while they are what is shown
-        # stage 3's sharded parameters: core/unit.py [Note: a sharded parameter refuses reads]
+        # stage 3's sharded parameters: core/params/unit.py [Note: a sharded parameter refuses reads]
         with _no_subclass_dispatch():
             for g, p in zip(grads, self.params):
                 if p.grad is not g:  # assigning checks shape, dtype and device: skip what is already shown

@@ -10,7 +10,7 @@
   accumulation, once per bucket and backward (`on_first_grad`), the last moment to give
   the parameters `.grad` views into storage that is allocated only when needed (stage 2
   frees full-size gradients between backwards) and to take over what user code did to
-  `.grad` since the last backward (core/user_grads.py [Note: param.grad belongs to the user]).
+  `.grad` since the last backward (core/grads/user_grads.py [Note: param.grad belongs to the user]).
 
 With `in_order=True` (stages 0-2) buckets are released to the stage strictly in bucket
 order (`FlatParamLayout.index`), as DDP does: a bucket that fills early waits for the ones
@@ -72,7 +72,7 @@ from typing import Callable
 
 import torch
 
-from zerokit.core.flat_param import FlatParamLayout
+from zerokit.core.params.flat_param import FlatParamLayout
 
 
 class GradReadyTracker:

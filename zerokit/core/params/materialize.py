@@ -37,7 +37,7 @@ parameters and buffers swapped for stand-ins; one that reaches into a child's (M
 
 Under a process group every rank replays rank 0's generator state (broadcast once), so every rank
 computes rank 0's values without a broadcast of the values themselves, as an eager model's are
-broadcast from rank 0 (core/model_guard.py); the ranks then agree on a digest of the calls and of
+broadcast from rank 0 (core/params/model_guard.py); the ranks then agree on a digest of the calls and of
 what each wrote, so an init that differs between ranks is refused rather than trained on.
 
 Buffers built on the meta device are small and replicated: they get their values in `prepare`, from
@@ -57,8 +57,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from zerokit.core import deferred as recorded
-from zerokit.core.deferred import is_lazy
+from zerokit.core.params import deferred as recorded
+from zerokit.core.params.deferred import is_lazy
 
 _PENDING = "_zerokit_deferred"  # a placeholder's attribute: the DeferredInit that will fill it, until it has
 
@@ -101,7 +101,7 @@ def init_device(comm) -> torch.device:
 
 
 def has_meta_state(module: nn.Module) -> bool:
-    """Some parameter or buffer is on the meta device (replayed) or recorded by zk.deferred_init (core/deferred.py)."""
+    """Some parameter or buffer is on the meta device (replayed) or recorded by zk.deferred_init (core/params/deferred.py)."""
     return any(t.is_meta or is_lazy(t) for t in module.parameters()) or any(t.is_meta or is_lazy(t)
                                                                            for t in module.buffers())
 
@@ -239,7 +239,7 @@ class DeferredInit:
 
     # -- prepare ------------------------------------------------------------------------------
     def _agree_on_recordings(self, world) -> None:
-        """zk.deferred_init's recordings (core/deferred.py): every rank replays rank 0's generator states."""
+        """zk.deferred_init's recordings (core/params/deferred.py): every rank replays rank 0's generator states."""
         self.recordings: dict[int, list[torch.Tensor]] = {}  # id(recording) -> the states to replay with
         order = []
         for _mod, _kind, _key, t in self._slots(self.module, recurse=True):

@@ -13,7 +13,7 @@ N = 2 is the native one, and the N = 2 reduce-scatter (`exchange_halves`) sends 
 peer's half (tests/distributed/test_native_pairs.py: gloo's 2-rank all-reduce is exactly a + b on both ranks,
 fp32 and bf16, and stage 0 at N = 2 makes only native all-reduces). `ordered=None` picks ordered on gloo (exactness is the point there), native on NCCL.
 Under the tree (`reduction="tree"`) `sum_rows` adds pairwise, (r0 + r1) + (r2 + r3): the upper levels of
-core/tree.py [Note: world-size-independent bits]; it implies ordered and needs N a power of two.
+core/collectives/tree.py [Note: world-size-independent bits]; it implies ordered and needs N a power of two.
 Costs: benchmarks/collectives.py (benchmarks/results/reduce_scatter_cost.md), benchmarks/speed.py.
 
 [Note: split all-reduces]
@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from zerokit.core.gather import free_storage, lend
-from zerokit.core.recorder import CollectiveRecord, check_same, in_words, report_failure
-from zerokit.core.tree import pairwise_sum_
+from zerokit.core.collectives.gather import free_storage, lend
+from zerokit.core.collectives.recorder import CollectiveRecord, check_same, in_words, report_failure
+from zerokit.core.collectives.tree import pairwise_sum_
 
 
 def reduce_scatter(comm, output: torch.Tensor, input: torch.Tensor, async_op: bool):
@@ -51,7 +51,7 @@ def reduce_scatter(comm, output: torch.Tensor, input: torch.Tensor, async_op: bo
 def rows_reduce_scatter(comm, output: torch.Tensor, input: torch.Tensor, async_op: bool):
     """An all-to-all brings rank r's contribution to my range as row r of an (N·output.numel(),)
     receive buffer; `sum_rows` adds the rows in rank order (pairwise under the tree), then the
-    buffer is freed (core/gather.py [Note: frees at a fixed point])."""
+    buffer is freed (core/collectives/gather.py [Note: frees at a fixed point])."""
     n = comm.world_size
     received = torch.empty(n * output.numel(), dtype=input.dtype, device=input.device)  # (N, numel) rows
 
@@ -87,7 +87,7 @@ def exchange_halves(comm, output: torch.Tensor, input: torch.Tensor, async_op: b
 
 def sum_rows(output: torch.Tensor, rows: torch.Tensor, tree: bool) -> None:
     """output = the sum of rows (N, m), row r being rank r's: in rank order 0..N-1, or pairwise,
-    (r0 + r1) + (r2 + r3), under the tree (core/tree.py). The one sum every ordered reduction
+    (r0 + r1) + (r2 + r3), under the tree (core/collectives/tree.py). The one sum every ordered reduction
     makes, reduce-scatter and all-reduce alike, so they give the same bits. `rows` may be destroyed."""
     if tree:
         output.copy_(pairwise_sum_(rows))
@@ -155,7 +155,7 @@ def issue_second_halves(comm) -> None:
     with report_failure(comm):
         for half in halves:
             half.reduced.wait()  # `mine` holds the sum, the receive buffer is freed
-        if comm.checks_each_collective:  # collectives no public call has checked (core/recorder.py [Note: debug mode])
+        if comm.checks_each_collective:  # collectives no public call has checked (core/collectives/recorder.py [Note: debug mode])
             for half in halves:
                 check_same(comm, half.rec.fingerprint() + ("all-gather half",),
                            f"finishing (all-gather half) {in_words(half.rec)}")

@@ -1,4 +1,4 @@
-"""Live accounting: what a rank really holds, measured, beside the formulas of core/estimate.py.
+"""Live accounting: what a rank really holds, measured, beside the formulas of core/accounting/estimate.py.
 
 [Note: the measured ledger]
 `engine.memory()` (core/engine.py) sums, per category, the storages a stage lists in its
@@ -24,7 +24,7 @@ import contextlib
 import weakref
 from typing import Any, Callable
 
-from zerokit.core.estimate import estimate
+from zerokit.core.accounting.estimate import estimate
 
 MODEL_STATE_CATEGORIES: tuple[str, ...] = ("params", "grads", "master_params", "optimizer_states")
 
@@ -186,9 +186,9 @@ def ledger(engine: Any, activation_bytes: int | None = None, predicted_activatio
     measured["comm_buffers"] = comm_buffer_bytes(engine, counted)
     measured["activations"] = activation_bytes
 
-    from zerokit.core.flat_param import is_packed  # imports torch: only when a ledger is taken
+    from zerokit.core.params.flat_param import is_packed  # imports torch: only when a ledger is taken
     params = {id(p): p for p in engine.module.parameters()}.values()
-    # A quantized base counts its elements, not its bytes: core/estimate.py [Note: a quantized base]
+    # A quantized base counts its elements, not its bytes: core/accounting/estimate.py [Note: a quantized base]
     specs = [p.zerokit_packed for p in params if is_packed(p)]
     num_params = sum(p.numel() for p in params if not is_packed(p)) + sum(s.numel for s in specs)
     trainable = sum(p.numel() for p in params if p.requires_grad)
@@ -245,6 +245,7 @@ class PeakMeter:
         self._torch = torch
         self.available = self.cuda or _read_status("VmRSS") is not None
         if self.available and not self.cuda:
+            from zerokit.core.params.deferred import _mmap_large_allocations  # imports torch, as this constructor does
             _mmap_large_allocations()
         self.peaks: dict[str, int] = {}
         self.seconds: dict[str, float] = {}  # each phase's wall time
@@ -280,23 +281,6 @@ class PeakMeter:
         finally:
             self.peaks[name] = self._peak()
             self.seconds[name] = time.perf_counter() - start
-
-
-def _mmap_large_allocations(threshold: int = 1 << 20) -> None:
-    """glibc: serve every allocation of `threshold` bytes or more with its own mmap, unmapped when freed.
-
-    By default glibc raises that threshold (up to 32 MiB) each time a large block is freed, after which
-    tensors of a few MiB (a unit's weights) come from the heap, whose freed pages stay resident: the RSS
-    peak would then count memory no tensor holds. Fixing the threshold keeps the high-water mark close
-    to the peak of live tensors (the same effect as MALLOC_MMAP_THRESHOLD_=1048576 in the environment).
-    """
-    import ctypes
-    import ctypes.util
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 def _read_status(field: str) -> int | None:

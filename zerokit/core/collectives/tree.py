@@ -32,7 +32,7 @@ same bits. Two pieces make it so:
   run of 2^level leaves, and a new leaf carries upward like a binary increment. After k
   (a power of two) leaves one partial remains: the subtree. At most log2(k) partials are
   alive at once (`engine.memory()["tree_partials"]`);
-* across ranks, the reduction's local sum (core/ordered.py [Note: ordered reduction] already
+* across ranks, the reduction's local sum (core/collectives/ordered.py [Note: ordered reduction] already
   receives every rank's contribution to its range) adds them pairwise, `pairwise_sum_`:
   (r0 + r1) + (r2 + r3) instead of ((r0 + r1) + r2) + r3.
 

@@ -3,7 +3,7 @@
 A `Unit` owns its lifecycle, as FSDP2's parameter group does: `unshard` (all-gather the
 param shards into whole flat buffers), `reshard` (free them again), and the four moments
 that drive them — `pre_forward`, `post_forward`, `pre_backward`, `post_backward`. The stage
-(stages/zero3.py) decides *when* to prefetch (core/prefetch.py) and reduces the gradients;
+(stages/zero3.py) decides *when* to prefetch (core/params/prefetch.py) and reduces the gradients;
 the unit knows what it holds and when its own backward is over.
 
 Its state (`UnitState`) says which of its tensors are alive.
@@ -32,7 +32,8 @@ unit computes, so forward and backward run on plain parameters and pay nothing; 
 one attribute store. The shape stays the logical one, as FSDP2's sharded
 DTensor parameters keep theirs (FSDP1 shows a 1-D view of the local shard instead): counting
 `p.numel()` over `model.parameters()` still gives the model's size, and `.grad` (a
-`ShardedGrad` of the parameter's shape, core/user_grads.py) stays assignable.
+`ShardedGrad` of the parameter's shape, core/params/sharded_tensors.py) stays assignable. The class and its
+refusals live in core/params/sharded_tensors.py, beside `ShardedGrad`.
 
 [Note: gather again in backward]
 With reshard_after_forward=True a unit's parameters are gone after its forward, but its
@@ -76,7 +77,7 @@ refused ([Note: a sharded parameter refuses reads]). `engine.register_forward_me
 wraps the method as FSDP2's `register_fsdp_forward_method` does (`wrap_forward_method`): the
 root is gathered before it runs and the model freed after it (or, if its output requires grad,
 kept for backward as after a call). Units still gather and free themselves around each of their
-forwards. The method's pass is recorded apart from training's (core/prefetch.py [Note: recorded
+forwards. The method's pass is recorded apart from training's (core/params/prefetch.py [Note: recorded
 prefetch order]): a generate calls each unit once per new token, and were that the record, the
 next training forward would keep units gathered for calls that never come.
 """
@@ -91,12 +92,11 @@ import torch
 from torch import nn
 
 from zerokit.core.config import WrapPolicy, wrap_matcher
-from zerokit.core.flat_param import FlatParamLayout, ParamInfo, summarize_names
-from zerokit.core.gather import free_storage
-from zerokit.core.model_guard import move_hint
+from zerokit.core.params.flat_param import FlatParamLayout, ParamInfo, summarize_names
+from zerokit.core.collectives.gather import free_storage
 from zerokit.core.nest import map_tensors, tensors_in
-from zerokit.core.prefetch import RecordedOrder
-from zerokit.core.user_grads import KIND_QUERIES, _flat_args
+from zerokit.core.params.prefetch import RecordedOrder
+from zerokit.core.params.sharded_tensors import sharded_class
 
 
 class UnitState(enum.Enum):
@@ -148,7 +148,7 @@ class Unit:
                     continue
                 p._zerokit_name = names[0]
                 self._classes.append((p, own, sharded))
-        # What the collective recorder calls each gather (core/recorder.py): "unit blocks.0", and
+        # What the collective recorder calls each gather (core/collectives/recorder.py): "unit blocks.0", and
         # with several flat params (frozen ones apart, say) which one: "unit blocks.0 (blocks.0.fc1.*)".
         what = f"unit {name or '<root>'}"
         self.gather_labels = [what] if len(flat_params) == 1 else [
@@ -308,67 +308,6 @@ class _InputsGradDone(torch.autograd.Function):
         return (None, *grads)
 
 
-# ------------------------------------------------------------ what a sharded parameter allows
-# Methods that read no values (metadata, hooks, the storage object itself, which is 0 bytes).
-_SHARDED_PARAM_METHODS = {"size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
-                          "stride", "is_contiguous", "storage_offset", "get_device", "data_ptr", "untyped_storage",
-                          "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__hash__",
-                          "__len__", "__format__", "__dir__", "is_shared", "is_pinned"} | KIND_QUERIES
-# Properties that are the values, or views of them; every other property (shape, grad, ...) is metadata.
-_SHARDED_PARAM_VALUE_PROPERTIES = {"data", "T", "mT", "H", "mH", "real", "imag"}
-
-
-class _ShardedParameter:
-    """Mixed into a parameter's own class while its unit is sharded: [Note: a sharded parameter refuses reads]."""
-
-    __slots__ = ()
-    _zerokit_name: str
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", str(func))
-        if name in ("__get__", "__set__", "__delete__"):  # a property: read, assigned or deleted
-            prop = getattr(getattr(func, "__self__", None), "__name__", None)
-            if prop in _SHARDED_PARAM_VALUE_PROPERTIES:
-                _refuse_sharded(args[0], f"`.{prop}`" if name == "__get__" else f"assigning `.{prop}`")
-        elif name not in _SHARDED_PARAM_METHODS:
-            found = [a for a in _flat_args(args, kwargs) if isinstance(a, _ShardedParameter)]
-            _refuse_sharded(found[0] if found else None, f"{name}()")
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return (f"ShardedParameter({getattr(self, '_zerokit_name', '?')!r}, shape={tuple(self.shape)}, "
-                f"dtype={self.dtype}, device={self.device}: sharded by zerokit stage 3; its values exist "
-                f"inside `with engine.summon_full_params():`)")
-
-    __str__ = __repr__
-
-
-_SHARDED_CLASSES: dict[type, type] = {}
-
-
-def sharded_class(cls: type) -> type:
-    """`cls` with reads refused: [Note: a sharded parameter refuses reads]."""
-    if cls not in _SHARDED_CLASSES:
-        _SHARDED_CLASSES[cls] = type(cls)(f"Sharded{cls.__name__}", (_ShardedParameter, cls), {"__module__": __name__})
-    return _SHARDED_CLASSES[cls]
-
-
-def _refuse_sharded(param, what: str):
-    # RuntimeError, not TypeError: torch turns a TypeError inside `+`, `*`, ... into NotImplemented.
-    which = (f"parameter {getattr(param, '_zerokit_name', '?')!r} (shape {tuple(param.shape)})"
-             if param is not None else "a parameter")
-    raise RuntimeError(
-        f"zerokit stage 3: {which} is sharded: outside its unit's forward and backward this rank holds only "
-        f"its shard, inside the engine, and the parameter has no values. {what} is not supported on it. "
-        "Read or change parameters inside `with engine.summon_full_params():` (every rank enters it), take the "
-        "whole model with `engine.state_dict(full=True)` (a collective: every rank calls it), and save or load "
-        "with `engine.save()` / `engine.load()`. A method that runs the model without calling it (a PEFT "
-        "model's generate()) needs `engine.register_forward_method(\"generate\")` first." + move_hint(what))
-
-
 # ---------------------------------------------------------------------- which params go where
 def split_into_units(module: nn.Module, wrap: WrapPolicy,
                      infos: list[ParamInfo]) -> list[tuple[str, nn.Module, list[ParamInfo]]]:
@@ -447,7 +386,7 @@ def reshard_all(units: list[Unit]) -> None:
 
 
 def prefetch(units: list[Unit], upcoming: list[int], phase: str) -> None:
-    """Start gathering the units a recorded order predicts next (core/prefetch.py), those still sharded."""
+    """Start gathering the units a recorded order predicts next (core/params/prefetch.py), those still sharded."""
     for k in upcoming:
         unit = units[k]
         if unit.state is UnitState.SHARDED and not unit.backward_done:

@@ -1,16 +1,16 @@
 """`Comm`: the collective API. Every stage talks to the other ranks through one `Comm` object, and only
-through it (its recipes, in core/ordered.py, core/gather.py and core/recorder.py, are called from here).
+through it (its recipes, in core/collectives/ordered.py, core/collectives/gather.py and core/collectives/recorder.py, are called from here).
 It owns:
 
 * the process group (passed explicitly; `None` means the default group, and no initialised group at all
   means world size 1, where every collective is an identity);
-* the reduction recipe: native, or ordered / tree (core/ordered.py [Note: ordered reduction]);
-* how gathers run on gloo and how storage is lent to collectives (core/gather.py);
+* the reduction recipe: native, or ordered / tree (core/collectives/ordered.py [Note: ordered reduction]);
+* how gathers run on gloo and how storage is lent to collectives (core/collectives/gather.py);
 * logical byte counters in the ZeRO paper's accounting ([Note: byte accounting]);
 * profiler labels (`zerokit::all_gather`, ...), so a trace names each collective once;
 * an optional *simulated* world: one process plays rank r of N, and collectives return correctly shaped
   results computed locally, so memory can be measured for a rank of 64 on one machine;
-* the recorder (core/recorder.py): every collective is recorded, in ZeRO terms, before it is issued;
+* the recorder (core/collectives/recorder.py): every collective is recorded, in ZeRO terms, before it is issued;
   debug mode checks there that every rank is about to issue the same one, and a collective that fails
   prints this rank's last records before the error propagates.
 
@@ -39,11 +39,11 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function as _record_function
 
-from zerokit.core import ordered, recorder
-from zerokit.core.gather import (all_gather_single, check_in_place, fill_rows, free_storage, gather_many, lend,
+from zerokit.core.collectives import ordered, recorder
+from zerokit.core.collectives.gather import (all_gather_single, check_in_place, fill_rows, free_storage, gather_many, lend,
                                  reduce_scatter_single, shares_storage, take_back)
-from zerokit.core.recorder import CollectiveRecord, CollectiveRecorder, in_words
-from zerokit.core.tree import is_power_of_two
+from zerokit.core.collectives.recorder import CollectiveRecord, CollectiveRecorder, in_words
+from zerokit.core.collectives.tree import is_power_of_two
 
 if dist.is_available():
     # Imported with zerokit, so before the user's init_process_group: torch.distributed.nn binds
@@ -60,9 +60,9 @@ class Handle:
 
     `works`: the torch.distributed Works it waits for (one, a list, or None when already complete);
     `finish`: the step run after them (an ordered sum, a copy out, a free, the next collective);
-    `lent`: the aliases the Works hold, emptied once they complete (core/gather.py [Note: frees at a
+    `lent`: the aliases the Works hold, emptied once they complete (core/collectives/gather.py [Note: frees at a
     fixed point]); `comm`: whose recorder a failure reports; `local=False`: `finish` issues collectives
-    of its own (core/hybrid.py, core/ordered.py)."""
+    of its own (core/collectives/hybrid.py, core/collectives/ordered.py)."""
 
     def __init__(self, works=None, finish=None, comm: "Comm | None" = None, local: bool = True, lent=()):
         self._works = [] if works is None else list(works) if isinstance(works, (list, tuple)) else [works]
@@ -117,7 +117,7 @@ class Comm:
 
     def __init__(self, group=None, ordered: bool | None = None, simulate: Simulated | None = None,
                  debug: bool | None = None, tree: bool = False):
-        """`debug`: check before each collective that every rank issues the same one (core/recorder.py
+        """`debug`: check before each collective that every rank issues the same one (core/collectives/recorder.py
         [Note: debug mode]); None reads the environment (ZEROKIT_DEBUG=1 turns it on). `tree`: sum ranks
         pairwise (see `use_tree`)."""
         self.simulate = simulate
@@ -135,7 +135,7 @@ class Comm:
                 raise ValueError("group= was given but torch.distributed is not initialised")
             self.group, self.rank, self.world_size, self.backend = None, 0, 1, "none"
         self.ordered = (self.backend != "nccl") if ordered is None else bool(ordered)
-        # Hybrid sharding (core/hybrid.py) tells these apart; in one flat group they are the group's own:
+        # Hybrid sharding (core/collectives/hybrid.py) tells these apart; in one flat group they are the group's own:
         self.data_parallel_size = self.world_size  # N: ranks whose gradients are averaged (the 1/N)
         self.world_rank = self.rank  # rank among every rank (checkpoints: who writes the shared files)
         self.replica_rank = 0  # which copy of the sharded state this rank holds (0: the one checkpoints write)
@@ -145,26 +145,26 @@ class Comm:
         self.bytes = collections.Counter()  # kind -> logical bytes
         self.bytes_by_phase = collections.Counter()  # (phase, kind) -> logical bytes
         self.calls = collections.Counter()  # kind -> number of collectives issued
-        self.recorder = CollectiveRecorder()  # this rank's last collectives, in ZeRO terms (core/recorder.py)
+        self.recorder = CollectiveRecorder()  # this rank's last collectives, in ZeRO terms (core/collectives/recorder.py)
         self._second_halves: collections.deque = collections.deque()  # ordered all-reduces awaiting their all-gather
         if debug is None:
             debug = os.environ.get("ZEROKIT_DEBUG", "").strip() not in ("", "0")
-        self.debug = bool(debug)  # core/recorder.py [Note: debug mode]
-        # Stage 3 sets it until its first step: every collective checked (core/recorder.py [Note: rank-dependent
+        self.debug = bool(debug)  # core/collectives/recorder.py [Note: debug mode]
+        # Stage 3 sets it until its first step: every collective checked (core/collectives/recorder.py [Note: rank-dependent
         # units]).
         self.first_step_checks = False
 
     @property
     def checks_each_collective(self) -> bool:
-        """Whether each collective is preceded by the check of core/recorder.py [Note: debug mode]."""
+        """Whether each collective is preceded by the check of core/collectives/recorder.py [Note: debug mode]."""
         return (self.debug or self.first_step_checks) and self.distributed
 
     def _lend(self, t: torch.Tensor) -> torch.Tensor:
-        """core/gather.py's `lend` for this comm's backend ([Note: frees at a fixed point] there)."""
+        """core/collectives/gather.py's `lend` for this comm's backend ([Note: frees at a fixed point] there)."""
         return lend(t, self.backend)
 
     def use_tree(self) -> None:
-        """Sum the ranks' contributions pairwise (core/ordered.py [Note: ordered reduction]). Needs N = 2^j."""
+        """Sum the ranks' contributions pairwise (core/collectives/ordered.py [Note: ordered reduction]). Needs N = 2^j."""
         if not is_power_of_two(self.world_size):
             raise ValueError(f"reduction='tree' needs a power-of-two world size (1, 2, 4, 8, ...), got "
                              f"{self.world_size}: the binary tree over ranks has no other shape")
@@ -189,7 +189,7 @@ class Comm:
         return {kind: int(self.bytes[kind]) for kind in KINDS}
 
     def stats_by_group(self) -> dict[str, dict[str, int]]:
-        """Bytes per kind within shard groups, across replicate groups (hybrid sharding, core/hybrid.py),
+        """Bytes per kind within shard groups, across replicate groups (hybrid sharding, core/collectives/hybrid.py),
         and over the whole world; one flat group is the shard group, and nothing crosses."""
         zeros = {kind: 0 for kind in KINDS}
         return {"shard_group": self.stats(), "replicate_group": zeros, "world": dict(zeros)}
@@ -212,7 +212,7 @@ class Comm:
 
         An ordered sum needs the length padded to a multiple of world size; callers
         reduce flat padded buffers, and scalars go through `all_reduce_scalars`.
-        `label` names what moves in ZeRO terms, for the recorder (core/recorder.py).
+        `label` names what moves in ZeRO terms, for the recorder (core/collectives/recorder.py).
         """
         rec = self._record("all_reduce", tensor, label, phase)
         self._count("all_reduce", 2 * _nbytes(tensor), phase)
@@ -248,7 +248,7 @@ class Comm:
 
                 def finish():
                     output.copy_(result)
-                    free_storage(result)  # core/gather.py [Note: frees at a fixed point]
+                    free_storage(result)  # core/collectives/gather.py [Note: frees at a fixed point]
 
                 return self._handle(work, async_op, (lent,), finish)
             out = self._lend(output)
@@ -280,7 +280,7 @@ class Comm:
         (and their debug-mode checks) before any is issued.
 
         `coalesce`: in one round of latency instead of one per buffer. Its price on gloo: a staging buffer of the
-        group's outputs' size while it runs (packed: core/gather.py [Note: gloo's all-gather temporary]), so a caller
+        group's outputs' size while it runs (packed: core/collectives/gather.py [Note: gloo's all-gather temporary]), so a caller
         whose gathers come at its peak (stage 3's units in backward) passes False: then on gloo each
         output is gathered into its own rows (broadcasts, or at N = 2 one all-to-all), with no temporary. On NCCL under
         TORCH_DISTRIBUTED_DEBUG=DETAIL they are never coalesced: torch's checks of every collective (a
@@ -300,7 +300,7 @@ class Comm:
             return self._gather_handle(outputs, inputs, coalesce)
 
     def _gather_handle(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], coalesce: bool) -> Handle:
-        """The all-gathers of `outputs`, issued (core/gather.py), as one Handle."""
+        """The all-gathers of `outputs`, issued (core/collectives/gather.py), as one Handle."""
         works, lent, finish = gather_many(self, outputs, inputs, coalesce)
         return Handle(works, finish, comm=self, lent=lent)
 
@@ -329,7 +329,7 @@ class Comm:
             all_gather_single(gathered, values.contiguous(), group=self.group)
         rows = gathered.view(self.world_size, -1)
         out = rows[0].clone()
-        for r in range(1, self.world_size):  # fixed order 0..N-1: core/ordered.py [Note: ordered reduction]
+        for r in range(1, self.world_size):  # fixed order 0..N-1: core/collectives/ordered.py [Note: ordered reduction]
             if op == "sum":
                 out.add_(rows[r])
             elif op == "max":
@@ -367,7 +367,7 @@ class Comm:
             self._check_same(rec.fingerprint(), in_words(rec))
         return rec
 
-    # core/recorder.py: debug mode's checks, and what a failing collective prints
+    # core/collectives/recorder.py: debug mode's checks, and what a failing collective prints
     sync_point = recorder.sync_point
     agree_on_step = recorder.agree_on_step
     report_failure = recorder.report_failure

@@ -38,7 +38,7 @@ writes that row: the packed gather copies inputs into its staging before anythin
 broadcasts send row r from rank r in place, NCCL gathers in place when the input is the rank's slice of
 the output (as FSDP2's do), and the simulated path copies the row first. Any other overlap between input
 and output is refused (`check_in_place`). The all-gather half of an ordered all-reduce is one too
-(core/ordered.py). Timed in benchmarks/investigations/stage1_phases.py (benchmarks/results/stage1_phases.md).
+(core/collectives/ordered.py). Timed in benchmarks/investigations/stage1_phases.py (benchmarks/results/stage1_phases.md).
 """
 from __future__ import annotations
 

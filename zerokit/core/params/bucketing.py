@@ -53,7 +53,7 @@ def plan_all_reduce_groups(numels: list[int] | tuple[int, ...], keys: list | tup
     """Group consecutive buckets into collectives: a group closes once it holds `threshold` elements.
 
     That is torch DDP's rule for closing a bucket (`bucket_cap_mb`), applied to whole zerokit
-    buckets rather than to parameters: stage 0 all-reduces each group in one call (core/grad_reduce.py
+    buckets rather than to parameters: stage 0 all-reduces each group in one call (core/grads/grad_reduce.py
     [Note: all-reduce groups]). Buckets with different `keys` (their dtype) never share a group.
     Groups are contiguous runs of indices in order; every one but the last of its key run holds
     at least `threshold` elements, and dropping its last bucket would leave it below that (so no
@@ -108,7 +108,7 @@ class InFlight:
 
     def finish_arrived(self) -> None:
         """Finish, oldest first, the collectives that have completed, up to the first that has not, so
-        that their temporaries go now (core/comm.py [Note: finishing what has arrived]). Local work
+        that their temporaries go now (core/collectives/comm.py [Note: finishing what has arrived]). Local work
         only: where it happens may differ between ranks."""
         while self._queue and self._queue[0][0].arrived():
             self.wait_oldest()

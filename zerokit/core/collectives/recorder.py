@@ -1,6 +1,6 @@
 """What this rank's collectives were, in ZeRO terms, and debug mode's checks that every rank agrees.
 
-Every collective `core/comm.py` issues is recorded here first — a sequence number, the operation, a
+Every collective `core/collectives/comm.py` issues is recorded here first — a sequence number, the operation, a
 ZeRO-level label ("bucket 3 (blocks.2.*)", "unit blocks.0", "optimizer overflow flag"), the element
 count, dtype and phase — before it is launched. What reads the records:
 
@@ -48,7 +48,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from zerokit.core.gather import all_gather_single
+from zerokit.core.collectives.gather import all_gather_single
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ anything out, and then:
     exchange of a digest in the common case; only on a mismatch are the details exchanged, to
     name the first difference and the rank that has it. A refusal is raised on every rank,
     before any collective that could hang on the mismatch ([Note: agreement before training]).
-    A model built on the meta device is prepared after the signature check (core/materialize.py):
+    A model built on the meta device is prepared after the signature check (core/params/materialize.py):
     its parameters are neither broadcast nor checksummed, since every rank computes rank 0's
     values, and the ranks agree on a digest of its init instead;
   * before each `engine(...)` forward (`before_forward`) and each step (`before_step`): the
@@ -62,25 +62,13 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from zerokit.core.flat_param import ParamInfo, is_packed, unique_params
-from zerokit.core.deferred import is_lazy
-from zerokit.core.materialize import DeferredInit, init_device, is_deferred
+from zerokit.core.params.flat_param import ParamInfo, is_packed, unique_params
+from zerokit.core.params.deferred import is_lazy
+from zerokit.core.params.materialize import DeferredInit, init_device, is_deferred
+from zerokit.core.params.sharded_tensors import MOVE_FIX
 
 _CHECKSUM_CHUNK = 1 << 20  # elements widened to int64 at a time when checksumming
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-MOVE_FIX = ("cast or move the model before zk.shard and build the engine after (for low-precision training pass "
-            "precision='bf16' or 'fp16' to zk.shard instead)")
-
-
-_CONVERSIONS = {"half()", "double()", "float()", "bfloat16()", "to()", "cuda()", "cpu()", "type()", "_to_copy()"}
-
-
-def move_hint(what: str) -> str:
-    """For a refusal of `what` (an op on a sharded parameter or gradient): the fix when it casts or moves."""
-    return (f" If {what} comes from casting or moving the model after zk.shard (model.half(), .to(...)): "
-            + MOVE_FIX + "." if what in _CONVERSIONS else "")
-
-
 def _digest(obj) -> int:
     """A stable int64 digest of a Python value (repr, not hash(): str hashes differ between processes)."""
     return int.from_bytes(hashlib.blake2b(repr(obj).encode(), digest_size=8).digest(), "little", signed=True)
@@ -123,7 +111,7 @@ class ModelGuard:
         # A meta-built model (the signature says which parameters are on meta, so every rank agrees it is one)
         # gets placeholders now and its values as each stage lays it out: every rank computes rank 0's from
         # rank 0's generator state, so they are neither broadcast nor checksummed; the ranks agree instead on
-        # a digest of the init calls and what each wrote (core/materialize.py).
+        # a digest of the init calls and what each wrote (core/params/materialize.py).
         self.deferred = self._prepare_deferred(config)
         if self.deferred is not None:
             self.params = unique_params(module, config.param_groups)  # the placeholders, not the meta Parameters
@@ -191,7 +179,7 @@ class ModelGuard:
                          + "\n  ".join(errors))
 
     def _prepare_deferred(self, config):
-        """core/materialize.py's DeferredInit for a meta-built model (None otherwise), agreed by every rank.
+        """core/params/materialize.py's DeferredInit for a meta-built model (None otherwise), agreed by every rank.
 
         Every rank holds the same signature by now, so every rank or none prepares; a refusal (something
         nothing initializes, an init function that raised) on any rank is raised on every rank."""
@@ -346,7 +334,7 @@ def broadcast_module_state(module: nn.Module, comm) -> None:
     """Copy rank 0's parameters (frozen ones too) and buffers to every rank, as DDP does at construction."""
     seen = set()
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        if id(t) in seen or t.numel() == 0 or is_deferred(t):  # values made on every rank: core/materialize.py
+        if id(t) in seen or t.numel() == 0 or is_deferred(t):  # values made on every rank: core/params/materialize.py
             continue
         seen.add(id(t))
         comm.broadcast(t.data, src=0, phase="init", label=name)

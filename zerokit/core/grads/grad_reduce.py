@@ -8,7 +8,7 @@
 
 A `GradReduction` owns every temporary the reduction needs: the reduce-dtype copy of the gradient (see [Note: reduce dtype]) and,
 when a grad shard accumulates a second synced backward, the reduce-scatter's own output.
-`transient` lists them (the stage reports them to the measured ledger, core/ledger.py, as
+`transient` lists them (the stage reports them to the measured ledger, core/accounting/ledger.py, as
 comm_buffers); `wait()` finishes the reduction and lets go of what is no longer needed.
 
 [Note: reduce dtype]
@@ -25,14 +25,14 @@ reductions of bf16 gradients), and its result stays in the reduce dtype (stage 0
 its fp32 master gradient from it without a second rounding. `copied` tells the stage that
 the param-dtype buffer is no longer read by the collective and may be released.
 
-With `reduction="tree"` (core/tree.py [Note: world-size-independent bits]) the stage passes
+With `reduction="tree"` (core/collectives/tree.py [Note: world-size-independent bits]) the stage passes
 the bucket's `PartialSums`: the constructor adds this last micro-batch's gradient to the
 pairwise partial sums of the earlier ones and reduces their total (the bucket itself when
 there were none), which is then what `copied` compares the gradient buffer against.
 
 Every stage reduces through this class and nothing else, which is what keeps the stages
 bitwise equal to each other under any reduce dtype: cast and scale are elementwise, and the
-rank-ordered reduction (core/ordered.py [Note: ordered reduction]) makes the sum of an element
+rank-ordered reduction (core/collectives/ordered.py [Note: ordered reduction]) makes the sum of an element
 independent of the buffer it sits in.
 
 [Note: all-reduce groups]
@@ -43,7 +43,7 @@ stages 1-2, what bounds the gradient memory in flight. Torch DDP's buckets know 
 the optimizer and close once they *reach* the cap, so one all-reduce per bucket would make
 more, smaller collectives than DDP, each paying a collective's latency. Stage 0 therefore
 applies DDP's rule one level up: walking the trainable buckets in release order, a group
-closes once it holds `bucket_numel` elements (core/bucketing.py `plan_all_reduce_groups`;
+closes once it holds `bucket_numel` elements (core/params/bucketing.py `plan_all_reduce_groups`;
 dtypes never mix); the group's gradients are one buffer, all-reduced in one call when its
 last bucket is released (buckets are released strictly in order, so its others already are).
 The plan is static, the same on every rank. The buckets, and so the optimizer's flat buffers
@@ -70,10 +70,10 @@ from typing import Callable
 
 import torch
 
-from zerokit.core.bucketing import plan_all_reduce_groups
-from zerokit.core.gather import free_storage
-from zerokit.core.flat_param import FlatParamLayout, summarize_names
-from zerokit.core.tree import PartialSums
+from zerokit.core.params.bucketing import plan_all_reduce_groups
+from zerokit.core.collectives.gather import free_storage
+from zerokit.core.params.flat_param import FlatParamLayout, summarize_names
+from zerokit.core.collectives.tree import PartialSums
 
 __all__ = ["GradReduction", "AllReduceGroup", "all_reduce_groups", "GradPath"]
 
@@ -98,10 +98,10 @@ class GradReduction:
     def __init__(self, comm, grad: torch.Tensor, reduce_dtype: torch.dtype, label: str,
                  partials: PartialSums | None = None, divide: bool = True):
         """`label`: the bucket in words ("bucket 3 (blocks.2.*)", `FlatParamLayout.label`), what the
-        collective recorder and debug mode's errors call this reduction (core/recorder.py).
+        collective recorder and debug mode's errors call this reduction (core/collectives/recorder.py).
         `partials`: reduction="tree", the bucket's partial sums of this step's earlier micro-batches.
         `divide=False`: the 1/N is already in the gradient (fp16 under reduction="tree" puts it in
-        the loss scale: core/tree.py)."""
+        the loss scale: core/collectives/tree.py)."""
         self.comm = comm
         self.label = label
         local = partials.total(grad) if partials is not None else grad  # this rank's sum over its micro-batches
@@ -137,7 +137,7 @@ class GradReduction:
         return self
 
     def arrived(self) -> bool:
-        """wait() would neither block nor issue a collective (core/comm.py [Note: finishing what has arrived])."""
+        """wait() would neither block nor issue a collective (core/collectives/comm.py [Note: finishing what has arrived])."""
         return self._handle is not None and self._handle.arrived()
 
     def wait(self) -> None:
@@ -148,7 +148,7 @@ class GradReduction:
             self.result, self._add_into = self._add_into, None
         for t in self.transient:
             if t is not self.result:
-                free_storage(t)  # now, on this thread: core/gather.py [Note: frees at a fixed point]
+                free_storage(t)  # now, on this thread: core/collectives/gather.py [Note: frees at a fixed point]
         self.transient = [t for t in self.transient if t is self.result]
 
 
@@ -188,13 +188,13 @@ def all_reduce_groups(trainable: list[FlatParamLayout], bucket_numel: int) -> li
 class GradPath:
     """The engine's gradient path, one call site for every stage (mixed into core/engine.py's `Engine`).
 
-    The tracker (core/hooks.py) calls `_on_grads_ready`; synced, the stage's `reduce_grads`
+    The tracker (core/grads/hooks.py) calls `_on_grads_ready`; synced, the stage's `reduce_grads`
     runs (stages 1-3 through `reduce_scatter_grad`), inside no_sync the gradient stays local.
     Reads the stage's `states`, `reductions`, `in_flight`, `partials`, `keeps_flat_grads`,
     `accumulates_grad_shards` and `reduce_in_no_sync` (core/engine.py).
     """
 
-    # -- the gradient path: one call site for every stage (core/hooks.py calls these) -----------
+    # -- the gradient path: one call site for every stage (core/grads/hooks.py calls these) -----------
     def _on_grads_ready(self, fp) -> None:
         """A flat param's gradients are all accumulated (stages 0-2: released in index order)."""
         self.reduce_or_hold(self.states[fp.index])
@@ -202,7 +202,7 @@ class GradPath:
     def reduce_or_hold(self, state) -> None:
         """Synced: the stage's reduction starts now (`reduce_grads`). Inside no_sync the gradient keeps
         accumulating in the full flat gradient (stage 2's accumulate="reduce_scatter" reduces anyway),
-        or, under reduction="tree", this micro-batch moves into its pairwise partial sums (core/tree.py)."""
+        or, under reduction="tree", this micro-batch moves into its pairwise partial sums (core/collectives/tree.py)."""
         if self.sync_gradients or self.reduce_in_no_sync:
             self.reduce_grads(state)
             return
@@ -236,7 +236,7 @@ class GradPath:
                 f"the bucket holding {state.fp.names[0][0]!r}; accumulate gradients inside engine.no_sync() and let "
                 "only the last micro-step synchronise, or clear gradients between steps (engine.zero_grad() or "
                 "model.zero_grad())")
-        self.in_flight.finish_arrived()  # completed ones free their buffers first (core/comm.py
+        self.in_flight.finish_arrived()  # completed ones free their buffers first (core/collectives/comm.py
         # [Note: finishing what has arrived])
         reduction = self.reductions[state.index] = self.grad_reduction(state, state.flat_grad)
         reduction.reduce_scatter(self.grad_shard(state), accumulate=state.grad_shard_written)
@@ -271,7 +271,7 @@ class GradPath:
 
     def new_grad_shard(self, state, grad_shard: torch.Tensor | None = None) -> torch.Tensor:
         """Give a flat param its (shard_numel,) grad shard (zeros in the reduce dtype, or `grad_shard`) and
-        the ShardedGrads `.grad` shows over it after a synced backward (core/user_grads.py)."""
+        the ShardedGrads `.grad` shows over it after a synced backward (core/params/sharded_tensors.py)."""
         if grad_shard is None:
             grad_shard = state.fp.new_flat(self.policy.reduce_dtype, numel=state.fp.shard_numel)
         state.grad_shard, state.grad_shard_written = grad_shard, False
@@ -279,9 +279,9 @@ class GradPath:
         return grad_shard
 
 
-    # -- reduction="tree" (core/tree.py [Note: world-size-independent bits]) -------------------
+    # -- reduction="tree" (core/collectives/tree.py [Note: world-size-independent bits]) -------------------
     def grad_reduction(self, fp, grad: torch.Tensor) -> GradReduction:
-        """A bucket's gradient on its way to the average (core/grad_reduce.py), as every stage builds it."""
+        """A bucket's gradient on its way to the average (core/grads/grad_reduce.py), as every stage builds it."""
         return GradReduction(self.comm, grad, self.policy.reduce_dtype, fp.label, self.partials_of(fp),
                              divide=not self._divide_in_loss)
 
@@ -310,7 +310,7 @@ class GradPath:
 
 def _loss_scale_of(engine) -> Callable[[], float]:
     """The engine's current loss scale, read through a weak reference: a ShardedGrad sits in `param.grad`, on
-    the C++ side where gc cannot see it, and must not keep the engine alive (core/hooks.py [Note: hooks hold
+    the C++ side where gc cannot see it, and must not keep the engine alive (core/grads/hooks.py [Note: hooks hold
     the engine weakly]). 1.0 once the engine is gone."""
     ref = weakref.ref(engine)
     return lambda: 1.0 if ref() is None else ref().loss_scale

@@ -23,7 +23,7 @@ step and stays a replica. The gradient is pre-divided by N (not S): the average 
 rank's batch, as at stage 0 at world size N.
 
 Bit for bit equal to stage 0 at the same N. Stage 0's ordered sum adds an element's N
-contributions in global rank order, ((g0 + g1) + g2) + g3 (core/ordered.py [Note: ordered
+contributions in global rank order, ((g0 + g1) + g2) + g3 (core/collectives/ordered.py [Note: ordered
 reduction]); step 2 as an all-reduce of per-node sums would compute (g0 + g1) + (g2 + g3),
 different bits. So the ordered recipe keeps the node's raw contributions apart and chains the
 nodes: step 1 is an all-to-all (rank p of node k receives its node's S rows of range p), and
@@ -33,7 +33,7 @@ replicate group. At R = 2 (two nodes) a rank receives one (Ψ/S,) shard per hop 
 the bytes of an all-reduce of the shard. Each hop is a broadcast over the replicate group rather
 than a send (collectives only), so at larger R a rank receives every hop's running sum: R - 1 hops
 of latency and of bytes, a price of exactness; the native recipe is the one that scales. Under `reduction="tree"` the order is
-(g0 + g1) + (g2 + g3) at every world size (core/tree.py), which is exactly per-node subtrees
+(g0 + g1) + (g2 + g3) at every world size (core/collectives/tree.py), which is exactly per-node subtrees
 joined pairwise: node k sums its S rows pairwise, the R node sums are all-gathered across the
 replicate group and summed pairwise (S and R powers of two). With `ordered_reduction=False`
 (NCCL's default) both steps are the native collectives: fast, not bitwise equal to stage 0.
@@ -52,16 +52,16 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from zerokit.core.comm import Comm, Handle, _nbytes, profiled
-from zerokit.core.gather import all_gather_single, free_storage, reduce_scatter_single, shares_storage, take_back
-from zerokit.core.estimate import resolve_shard_group_size
-from zerokit.core.tree import is_power_of_two, pairwise_sum_
+from zerokit.core.collectives.comm import Comm, Handle, _nbytes, profiled
+from zerokit.core.collectives.gather import all_gather_single, free_storage, reduce_scatter_single, shares_storage, take_back
+from zerokit.core.collectives.groups import resolve_shard_group_size
+from zerokit.core.collectives.tree import is_power_of_two, pairwise_sum_
 
 __all__ = ["HybridComm", "hybrid_groups", "check_shard_group_size"]
 
 
 def check_shard_group_size(shard_group_size, world_size: int) -> int:
-    """S as an int dividing the world size N, or a ValueError naming the fix (core/estimate.py's check)."""
+    """S as an int dividing the world size N, or a ValueError naming the fix (core/accounting/estimate.py's check)."""
     if shard_group_size is None:
         raise ValueError("shard_group_size must be an int >= 1 (the ranks per node), got None")
     return resolve_shard_group_size(shard_group_size, world_size)
@@ -199,7 +199,7 @@ class HybridComm(Comm):
         self.replicate._count("all_reduce", 2 * _nbytes(output), phase)
         with profiled("zerokit::reduce_scatter"), self.report_failure():
             if not self.ordered:  # native: reduce-scatter in the node, all-reduce of the shard across nodes
-                work, lent = None, ()  # lent: core/gather.py [Note: frees at a fixed point]
+                work, lent = None, ()  # lent: core/collectives/gather.py [Note: frees at a fixed point]
                 if s == 1:
                     output.copy_(input)
                 elif shares_storage(output, input):
@@ -208,19 +208,19 @@ class HybridComm(Comm):
                     reduce_scatter_single(result, sent, group=self.group)
                     take_back((sent,))
                     output.copy_(result)
-                    free_storage(result)  # core/gather.py [Note: frees at a fixed point]
+                    free_storage(result)  # core/collectives/gather.py [Note: frees at a fixed point]
                 else:
                     lent = (self._lend(output), self._lend(input))
                     work = reduce_scatter_single(lent[0], lent[1], group=self.group, async_op=True)
                 handle = Handle(work, lambda: dist.all_reduce(output, group=self.replicate.group), comm=self,
                                 local=False, lent=lent)  # its finish is a collective: never run early
             else:
-                lent = self._lend(input)  # core/gather.py [Note: frees at a fixed point]
+                lent = self._lend(input)  # core/collectives/gather.py [Note: frees at a fixed point]
                 rows, work = self._node_rows(lent)
 
                 def finish():
                     (self._tree_across if self.tree else self._chain_across)(output, rows)
-                    free_storage(rows)  # the receive buffer: core/gather.py [Note: frees at a fixed point]
+                    free_storage(rows)  # the receive buffer: core/collectives/gather.py [Note: frees at a fixed point]
 
                 handle = Handle(work, finish, comm=self, local=False, lent=(lent,))  # the chain across nodes
                 # is collectives
@@ -267,7 +267,7 @@ class HybridComm(Comm):
             dist.broadcast(output, src=peers[r - 1], group=group)  # the total, to every node
 
     def _tree_across(self, output: torch.Tensor, rows: torch.Tensor) -> None:
-        """Pairwise: the node's S rows, then the R node sums (all-gathered across nodes): core/tree.py."""
+        """Pairwise: the node's S rows, then the R node sums (all-gathered across nodes): core/collectives/tree.py."""
         r = self.replicate.world_size
         node_sum = pairwise_sum_(rows)  # (shard,) a view of rows[0]
         if r == 1:

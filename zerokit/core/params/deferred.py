@@ -5,7 +5,7 @@
     engine = zk.shard(model, torch.optim.AdamW, stage=3, wrap=(LlamaDecoderLayer,))
 
 [Note: recording a construction]
-A meta build (core/materialize.py) replays every module's `reset_parameters()` and a `param_init_fn`
+A meta build (core/params/materialize.py) replays every module's `reset_parameters()` and a `param_init_fn`
 after the fact. That cannot reproduce a model whose constructor initializes in its own order: a
 Hugging Face model runs `post_init` at the end of each sub-model's constructor, so LlamaForCausalLM
 draws [defaults of `model.*`, HF init of `model.*`, default of `lm_head`, HF init of `lm_head`], and
@@ -197,11 +197,27 @@ class _Factories(TorchDispatchMode):
         return draw
 
 
+def _mmap_large_allocations(threshold: int = 1 << 20) -> None:
+    """glibc: serve every allocation of `threshold` bytes or more with its own mmap, unmapped when freed.
+
+    By default glibc raises that threshold (up to 32 MiB) each time a large block is freed, after which
+    tensors of a few MiB (a unit's weights) come from the heap, whose freed pages stay resident: the RSS
+    peak would then count memory no tensor holds. Fixing the threshold keeps the high-water mark close
+    to the peak of live tensors (the same effect as MALLOC_MMAP_THRESHOLD_=1048576 in the environment).
+    """
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 @contextlib.contextmanager
 def deferred_init():
     """Build a model inside: its tensors are recorded, not allocated; `zk.shard` computes each flat param's
     values from the recording, with the bits an eager build gives ([Note: recording a construction])."""
-    from zerokit.core.ledger import _mmap_large_allocations
     _mmap_large_allocations()  # each draw's scratch goes back to the OS when freed: the peak stays one tensor
     recording = _Recording()
     with _Factories(recording):

@@ -23,7 +23,7 @@ For Ψ = 7.5e9, N = 64 that is 120 / 31.4 / 16.6 / 1.9 GB (GB = 10^9 bytes, as t
 and CS224N lecture 12 count).
 
 Up to padding. A sharded category lives in a flat buffer padded with zeros to a multiple of N
-(core/partition.py), so a rank holds ceil(Ψ/N) elements of it, not Ψ/N. `estimate` uses that
+(core/params/partition.py), so a rank holds ceil(Ψ/N) elements of it, not Ψ/N. `estimate` uses that
 padded count, so its results are exact integers and at most (N - 1) elements per buffer above
 the real-valued formula. A real engine may pad several buffers (one per parameter group, or per
 ZeRO-3 unit); each adds less than N elements.
@@ -79,8 +79,10 @@ from dataclasses import asdict, dataclass
 from numbers import Integral
 from typing import Any
 
+from zerokit.core.collectives.groups import resolve_shard_group_size
+
 # Analytic formulas only: pure integer arithmetic, no process group, no tensors. What a rank
-# really holds, measured beside these, is core/ledger.py.
+# really holds, measured beside these, is core/accounting/ledger.py.
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 
@@ -183,24 +185,6 @@ def _check_stage(stage: int) -> None:
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
 
 
-def resolve_shard_group_size(shard_group_size: int | None, world_size: int) -> int:
-    """S, the ranks one shard group spans: `shard_group_size`, or world_size when it is None (flat sharding).
-
-    Shard groups tile the world, so S must be an int >= 1 dividing world_size; anything else is a
-    ValueError naming both numbers and the divisors to choose from. (core/hybrid.py checks the
-    same when it builds the groups; this copy keeps the formulas free of torch.)
-    """
-    if shard_group_size is None:
-        return world_size
-    if isinstance(shard_group_size, bool) or not isinstance(shard_group_size, Integral) or shard_group_size < 1:
-        raise ValueError(f"shard_group_size must be an int >= 1 (or None: the world size), got {shard_group_size!r}")
-    if world_size % shard_group_size:
-        divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
-        raise ValueError(f"shard_group_size={shard_group_size} does not divide world_size={world_size}: shard groups "
-                         f"tile the world, so pick a divisor of {world_size} ({divisors}), usually the GPUs per node")
-    return int(shard_group_size)
-
-
 def _check_world_size(world_size: int) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, Integral) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -223,7 +207,7 @@ def estimate(num_params: int | float, world_size: int, stage: int, precision: st
     an activation estimate yourself (dataclasses.replace) since it depends on batch and sequence.
 
     reduce_precision: the dtype gradients are reduced in (None: `precision`). When it differs,
-    the grad shards live in it (r bytes per element, core/grad_reduce.py): stage 1 keeps a
+    the grad shards live in it (r bytes per element, core/grads/grad_reduce.py): stage 1 keeps a
     ceil(Ψ_t/N)·r shard of its own beside its full param-dtype gradient, stages 2 and 3 hold
     ceil(Ψ_t/N)·r instead of ·g. Stage 0's reduce-dtype buffers live only from backward to
     step: they are communication buffers, not counted here.
@@ -437,7 +421,7 @@ def stage2_in_flight_grad_bytes(bucket_numels: "list[int] | tuple[int, ...]", ma
 def comm_bytes_per_step(num_params: int, stage: int, param_bytes: int, grad_bytes: int,
                         trainable_params: int | None = None, quantize: str | None = None, quantized_params=None,
                         block_size: int = 64, double_quant: bool = True) -> int:
-    """Logical bytes one rank sends per optimizer step (ZeRO accounting, core/comm.py), up to padding.
+    """Logical bytes one rank sends per optimizer step (ZeRO accounting, core/collectives/comm.py), up to padding.
 
     g = grad_bytes (the reduce dtype), p = param_bytes, Ψ_t trainable of Ψ parameters:
         stage 0      all-reduce of the gradients                           2·Ψ_t·g
@@ -449,7 +433,7 @@ def comm_bytes_per_step(num_params: int, stage: int, param_bytes: int, grad_byte
     With p = g that is 2Ψg for stages 0-2 and 3Ψg (1.5x) for stage 3.
     Buffers are not included: with `broadcast_buffers=True` (the default) every forward that DDP
     would sync adds a broadcast of the model's buffer bytes B (at any stage; 0 for a model without
-    buffers), which the comm ledger counts under phase "buffers" (core/model_guard.py).
+    buffers), which the comm ledger counts under phase "buffers" (core/params/model_guard.py).
     """
     psi = _as_count(num_params, "num_params")
     psi_t = psi if trainable_params is None else _as_count(trainable_params, "trainable_params")
@@ -470,7 +454,7 @@ def comm_bytes_by_group(num_params: int, stage: int, param_bytes: int, grad_byte
                         trainable_params: int | None = None) -> dict[str, int]:
     """Logical bytes one rank sends per optimizer step, by the group the collectives run in.
 
-    Returns {"shard_group": ..., "replicate_group": ...} in ZeRO accounting (core/comm.py [Note:
+    Returns {"shard_group": ..., "replicate_group": ...} in ZeRO accounting (core/collectives/comm.py [Note:
     byte accounting]), up to padding; [Note: hybrid sharding bytes] derives them. With S =
     shard_group_size (None: world_size, flat) and R = world_size / S:
 
