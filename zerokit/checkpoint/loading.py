@@ -138,7 +138,7 @@ def _open_safetensors(path: str):
 
 
 class _ModelFiles:
-    """A snapshot's model file(s) read as one: `keys()`, `get_slice(key)`, `get_tensor(key)`, `read_into`, `dtype`,
+    """A snapshot's model file(s) read as one: `keys()`, `get_slice(key)`, `get_tensor(key)`, `read_into`,
     from whichever file's header holds the key (every file's header is read; no data until asked); `path`
     names them all, `path_of(key)` the one holding the key."""
 
@@ -172,9 +172,6 @@ class _ModelFiles:
 
     def read_into(self, key: str, start: int, out: torch.Tensor) -> None:
         self._file_of[key].read_into(key, start, out)
-
-    def dtype(self, key: str) -> torch.dtype:
-        return self._file_of[key].dtype(key)
 
 
 @contextlib.contextmanager
@@ -274,18 +271,15 @@ def buffer_names(engine) -> list[str]:
     return [name for name, t in engine.module.state_dict(keep_vars=True).items() if id(t) not in in_flat]
 
 
-def _read_param_range(f, key: str, fp, j: int, a: int, b: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Elements [a, b) of params[j]'s range of flat param `fp`, from the stored tensor `key` (its logical
-    values): exactly those elements read (into `out`, (b - a,), when given: no second copy), or, for a
-    parameter that keeps its strides (core/params/flat_param.py [Note: parameters keep their strides]), the whole
-    tensor rearranged into the range's order, then sliced."""
+def _read_param_range(f, key: str, fp, j: int, a: int, b: int, out: torch.Tensor) -> None:
+    """out (b - a,) := elements [a, b) of params[j]'s range of flat param `fp`, from the stored tensor `key` (its
+    logical values): exactly those elements, read straight into `out`; for a parameter that keeps its strides
+    (core/params/flat_param.py [Note: parameters keep their strides]), the whole tensor rearranged into the
+    range's order, then sliced."""
     if fp.strides[j] is not None:
-        value = fp.to_storage_order(j, f.get_tensor(key).reshape(-1))[a:b]
-        return value if out is None else out.copy_(value)
-    if out is None:
-        out = torch.empty(b - a, dtype=f.dtype(key))
-    f.read_into(key, a, out)
-    return out
+        out.copy_(fp.to_storage_order(j, f.get_tensor(key).reshape(-1))[a:b])
+    else:
+        f.read_into(key, a, out)
 
 
 def _refuse_quantization_mismatch(path: str, meta: dict, engine, missing: list[str], unexpected: list[str]) -> None:
@@ -353,9 +347,10 @@ def _read_rank_files(engine, directory: str, meta: dict, install=None, ranks=Non
         for fp, master in trainable_with_masters(engine):
             base = master_start(fp, master)
             size = master.numel()
-            zeros = (lambda: torch.zeros(size, dtype=master.dtype)) if reading else (lambda: None)
-            values = zeros()  # (master numel,) padding stays zero; fp32 or float64
-            states = {key: zeros() for key, kind in kinds.items() if kind == "elementwise"}  # (master numel,) each
+            # (master numel,) each, padding stays zero, fp32 or float64; None when only checking
+            values = torch.zeros(size, dtype=master.dtype) if reading else None
+            states = {key: torch.zeros(size, dtype=master.dtype) if reading else None
+                      for key, kind in kinds.items() if kind == "elementwise"}
             scalar_source = None  # (start, end, rank, key) of a master piece this master overlaps
             for i, (offset, numel) in enumerate(zip(fp.layout.offsets, fp.layout.numels)):
                 lo, hi = max(base, offset), min(base + size, offset + numel)
@@ -363,16 +358,15 @@ def _read_rank_files(engine, directory: str, meta: dict, install=None, ranks=Non
                     continue
                 a, b = lo - offset, hi - offset  # the part of parameter i this master holds
                 at = lo - base  # ... and where it sits in the master
-                part = (lambda t: t[at:at + b - a]) if reading else (lambda t: None)
                 name = aliases.get(fp.names[i][0], fp.names[i][0])
                 pieces = index.get((MASTER, name), [])
                 saved = meta["params"].get(name, {}).get("stride")  # None: saved contiguous
                 fill = _fill if (tuple(saved) if saved else None) == fp.strides[i] else \
                     functools.partial(_fill_restrided, fp=fp, j=i, saved=tuple(saved) if saved else None)
-                used |= fill(part(values), pieces, a, b, files, paths, name, MASTER)
+                used |= fill(values[at:at + b - a] if reading else None, pieces, a, b, files, paths, name, MASTER)
                 for key, tensor in states.items():
-                    used |= fill(part(tensor), index.get((f"state.{key}", name), []), a, b, files, paths,
-                                 name, f"state.{key}")
+                    used |= fill(tensor[at:at + b - a] if reading else None, index.get((f"state.{key}", name), []),
+                                 a, b, files, paths, name, f"state.{key}")
                 if scalar_source is None:
                     scalar_source = next((pc for pc in pieces if pc[0] < b and pc[1] > a), None)
             scalar_source = scalar_source or first_master_piece

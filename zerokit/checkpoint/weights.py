@@ -90,10 +90,11 @@ def load_weights(engine, path: str | os.PathLike, strict: bool = True) -> dict[s
 
     adapters = {f"{prefix}.{name}" for prefix in lora_modules(engine.module) for name in ("lora_A", "lora_B")}
     problems, checked, files = [], None, {}
+    handle = _opener(files)
     try:
         try:
             where = weight_files(path)
-            checked = _check(engine, path, strict, where, adapters, _opener(files))
+            checked = _check(engine, path, strict, where, adapters, handle)
         except (ValueError, OSError) as exc:
             problems.append(str(exc))
         raise_if_any(engine, problems, f"load_weights({os.fspath(path)!r})")
@@ -103,8 +104,7 @@ def load_weights(engine, path: str | os.PathLike, strict: bool = True) -> dict[s
         def kept_ranges():  # one flat param's range at a time, never the model
             for fp in engine.flat_params:
                 lo, hi = engine.kept_range(fp)
-                kept = _read_range(engine, fp, lo, hi, source=source, missing=missing, where=where,
-                                   handle=_opener(files))
+                kept = _read_range(engine, fp, lo, hi, source=source, missing=missing, where=where, handle=handle)
                 master = masters.get(fp)
                 if master is not None:  # fp32, exact, not the params' bf16 rounding (fp32: the param shard)
                     at = master_start(fp, master) - lo
@@ -115,7 +115,7 @@ def load_weights(engine, path: str | os.PathLike, strict: bool = True) -> dict[s
             engine.load_flat_params(kept_ranges())
             module_state = engine.module.state_dict(keep_vars=True)
             for name in buffers:
-                module_state[name].copy_(_opener(files)(where[name]).get_tensor(name))
+                module_state[name].copy_(handle(where[name]).get_tensor(name))
             engine.optimizer.clear_states()  # as before a first step
     finally:
         for f in files.values():
@@ -182,7 +182,7 @@ def _check(engine, path, strict: bool, where: dict[str, str], adapters: set[str]
 
 def _read_range(engine, fp, lo: int, hi: int, *, source: dict, missing: set[str], where: dict[str, str], handle
                 ) -> torch.Tensor:
-    """Elements [lo, hi) of flat param `fp` (within this rank's kept range), in its values dtype (uint8 for a
+    """Elements [lo, hi) of flat param `fp` (this rank's kept range), in its values dtype (uint8 for a
     quantized base's bytes), from the files; a missing adapter's elements keep their current values."""
     out = _current_range(engine, fp, lo, hi) if any(n[0] in missing for n in fp.names) else \
         torch.zeros(hi - lo, dtype=fp.values_dtype)
@@ -248,17 +248,14 @@ def _weight_elements(f, key: str, spec, e0: int, e1: int) -> torch.Tensor:
 
 
 def _current_range(engine, fp, lo: int, hi: int) -> torch.Tensor:
-    """The values flat param `fp` holds now over [lo, hi) (within this rank's kept range), fp32: from its master
-    where this rank has one (exact), elsewhere from the param storage."""
-    kept_lo, kept_hi = engine.kept_range(fp)
+    """The values flat param `fp` holds now over [lo, hi), its kept range, fp32: from its master where this rank
+    has one (exact), elsewhere from the param storage."""
     if engine.stage == 3:
-        out = engine.param_shards[fp.index].detach()[lo - kept_lo:hi - kept_lo].to(fp.values_dtype).clone()
+        out = engine.param_shards[fp.index].detach().to(fp.values_dtype).clone()
     else:
         out = engine.flat_data[fp.index].detach()[lo:hi].to(fp.values_dtype).clone()
     master = dict(trainable_with_masters(engine)).get(fp)
-    if master is not None:  # its part of [lo, hi)
-        m0 = master_start(fp, master)
-        a, b = max(lo, m0), min(hi, m0 + master.numel())
-        if a < b:
-            out[a - lo:b - lo] = master.detach()[a - m0:b - m0].to(out.dtype)
+    if master is not None:
+        at = master_start(fp, master) - lo
+        out[at:at + master.numel()] = master.detach().to(out.dtype)
     return out
