@@ -4,6 +4,8 @@
     python benchmarks/build_memory.py --quick              # gpt2-small only (a smoke run, a minute)
     python benchmarks/build_memory.py --deferred           # the same rows recorded by zk.deferred_init()
     python benchmarks/build_memory.py --ranks              # 4 real gloo ranks, every phase, resumed at 2 and 8
+    python benchmarks/build_memory.py --gpu --device cuda  # gpt2-xl at N = 64 (stage 3) and 8 (stages 3, 2, 1)
+                                                           # on one GPU: the allocator's peak (scripts/gpu_check.sh)
 
 Each configuration is one fresh process running `zerokit memory --simulate ... --json`, so every peak is
 that process's own (commands/memory.py `simulate_rank`: the resident set's high-water mark per phase, build,
@@ -40,15 +42,17 @@ FULL = [("gpt2-xl", 8, 1, "meta"), ("gpt2-xl", 8, 2, "meta"), ("gpt2-xl", 8, 3, 
         ("gpt2-xl", 64, 1, "meta"), ("gpt2-xl", 64, 2, "meta"), ("gpt2-xl", 64, 3, "meta"),
         ("gpt2-xl", 64, 3, "eager"), ("gpt3-6.7b", 64, 3, "meta")]
 QUICK = [("gpt2-small", 8, 3, "meta"), ("gpt2-small", 8, 3, "eager")]
+GPU = [("gpt2-xl", 64, 3, "meta"), ("gpt2-xl", 8, 3, "meta"), ("gpt2-xl", 8, 2, "meta"), ("gpt2-xl", 8, 1, "meta")]
 DEFERRED = [("gpt2-xl", 64, 1, "deferred"), ("gpt2-xl", 64, 2, "deferred"), ("gpt2-xl", 64, 3, "deferred"),
             ("gpt3-6.7b", 64, 3, "deferred")]
 
 
-def run_one(model: str, world_size: int, stage: int, build: str) -> dict:
+def run_one(model: str, world_size: int, stage: int, build: str, device: str | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
         cmd = [sys.executable, "-m", "zerokit", "memory", "--simulate", "--model", model, "--world-size",
-               str(world_size), "--stage", str(stage), "--precision", "bf16", "--build", build, "--json", str(out)]
+               str(world_size), "--stage", str(stage), "--precision", "bf16", "--build", build,
+               *(["--device", device] if device else []), "--json", str(out)]
         start = time.perf_counter()
         subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
         result = json.loads(out.read_text())
@@ -59,6 +63,7 @@ def run_one(model: str, world_size: int, stage: int, build: str) -> dict:
             "model_states_bytes": sum(result["measured"][c] for c in ("params", "grads", "master_params",
                                                                        "optimizer_states")),
             "baseline_bytes": phases["baseline_bytes"], "bound_bytes": phases["bound_bytes"],
+            "device": result["device"], "measured_by": phases["measured_by"],
             "peaks": phases["peaks"], "saved_bytes": result.get("saved_bytes")}
 
 
@@ -177,24 +182,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="gpt2-small only")
     p.add_argument("--ranks", action="store_true", help="real gloo ranks: every phase, resumed at 2 and 8 ranks")
     p.add_argument("--deferred", action="store_true", help="gpt2-xl and gpt3-6.7b recorded by zk.deferred_init()")
+    p.add_argument("--gpu", action="store_true", help="the rows for one GPU: gpt2-xl at N = 64 (stage 3), 8 (3, 2, 1)")
+    p.add_argument("--device", default=None, help="where the model lives (default: cuda if available, else cpu)")
+    p.add_argument("--model", default=None, help="every row with this model instead (scripts/gpu_check.sh "
+                                                  "--dry-run: tiny)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "build_memory")
     args = p.parse_args(argv)
     prov = provenance(command_line(__file__, argv))
     if args.ranks:
         return run_ranks_mode(args, prov)
     rows = []
-    if args.deferred and args.out.name == "build_memory":
-        args.out = args.out.with_name("build_memory_deferred")
-    for model, n, stage, build in (QUICK if args.quick else DEFERRED if args.deferred else FULL):
-        rows.append(run_one(model, n, stage, build))
+    if args.out.name == "build_memory" and (args.deferred or args.gpu):
+        args.out = args.out.with_name("build_memory_deferred" if args.deferred else "build_memory_gpu")
+    for model, n, stage, build in (QUICK if args.quick else DEFERRED if args.deferred else GPU if args.gpu else FULL):
+        model = args.model or model
+        rows.append(run_one(model, n, stage, build, args.device))
         r = rows[-1]
         print(f"{model} N={n} stage {stage} {build}: " + ", ".join(
             f"{k} {v['peak_bytes'] / 1e9:.2f} GB ({v['ratio_to_bound']:.2f} x bound)" for k, v in r["peaks"].items()))
+        _write(args, prov, rows)  # after every row: a run cut short keeps the rows it finished
+    return 0
+
+
+def _write(args, prov: dict, rows: list[dict]) -> None:
     title = "recorded by zk.deferred_init()" if args.deferred else "built on the meta device or eagerly"
+    measured_by = sorted({f"{r['measured_by']} on {r['device']}" for r in rows})
     lines = [f"# Peak memory per phase of one simulated rank: {title}", "",
              *provenance_lines(prov), "",
              "One process plays rank 0 of N (`Comm(simulate=Simulated(0, N))`), bf16 + AdamW, one step on 1 x 8 "
-             "tokens. Peak: the resident set's high-water mark (VmHWM) in each phase; bound: process baseline + "
+             "tokens. Peak: " + "; ".join(measured_by) + ", in each phase; bound: process baseline + "
              "model states (formula) + gradients in flight (stage 3: the working set of gathered units; stage 2: "
              "the max_in_flight + 2 largest full-size buckets) + the tied head's two (V, d) autograd gradients + "
              "activations (zerokit/commands/memory.py `phase_bound`, terms derived in core/accounting/estimate.py). "
@@ -217,7 +233,6 @@ def main(argv: list[str] | None = None) -> int:
                      + f" | {written} |")
     lines += ["", "Each row's command: `" + "`, `".join(r["command"] for r in rows) + "`", ""]
     write_pair(args.out, {"provenance": prov, "rows": rows}, "\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":

@@ -14,21 +14,25 @@
 #   3 memory       benchmarks/memory.py --device cuda --model gpt2-xl --world-sizes 8 64
 #                  -> memory_per_stage_<gpu>_gpt2-xl.{json,md}: per stage, simulated rank 0 of 8
 #                  and of 64, bf16 + AdamW, 1 x 1024 tokens; ledger and allocator vs zk.estimate
+#   3b phases      benchmarks/build_memory.py --gpu --device cuda
+#                  -> build_memory_cuda.{json,md}: gpt2-xl built on the meta device, simulated rank 0
+#                  of 64 (stage 3) and of 8 (stages 3, 2, 1); each phase's allocator peak (build, step,
+#                  save, load) beside its bound; rows written as they finish
 #   4 speed        benchmarks/speed.py --peers plain --nproc 1 --model gpt2-medium ...
 #                  -> speed_vs_torch_plain_cuda.{json,md}: each stage at world size 1, bf16,
 #                  against plain torch (autocast bf16; bf16 params), median of 10 steps x 2 rounds
 #   5 scaling      benchmarks/scaling.py --sizes 50M 124M --world-sizes 1 ... (NCCL, one rank)
 #                  -> scaling_cuda.{json,md,png}: the sweep's largest sizes, each stage beside
 #                  DDP, ZeroRedundancyOptimizer, FSDP1 and FSDP2, fp32 and bf16
-# Everything goes to one folder, 11 files: summary.md, log.txt (every step's output), 2 junit
-# XML, 3 results sets (command, date, commit, machine and versions in each, through
+# Everything goes to one folder, 13 files: summary.md, log.txt (every step's output), 2 junit
+# XML, 4 results sets (command, date, commit, machine and versions in each, through
 # zerokit/provenance.py). Exit status: 0 when every step passed, 3 without a CUDA torch, else 1.
 #
 # Installs nothing: it uses the first of $PYTHON, .venv/bin/python, python3, python whose torch
 # sees a GPU, and runs zerokit from this checkout (PYTHONPATH), so a CUDA torch already on the
 # machine is what runs. Needs: torch with CUDA, numpy, tqdm, safetensors, pytest (pytest-timeout
-# is used when present). Environment: PYTHON; GPU_CHECK_TIMEOUT_{PREFLIGHT,TESTS,SIDE,MEMORY,SPEED,SCALING}
-# (seconds, defaults 30/120/60/100/150, and SCALING 300: 760 s in all); ZEROKIT_GIT_COMMIT (the commit, when this
+# is used when present). Environment: PYTHON; GPU_CHECK_TIMEOUT_{PREFLIGHT,TESTS,SIDE,MEMORY,PHASES,SPEED,SCALING}
+# (seconds, defaults 30/120/60/100/120/150, and SCALING 300: 880 s in all); ZEROKIT_GIT_COMMIT (the commit, when this
 # tree is a copy without .git: the results then say so instead of "unknown").
 set -uo pipefail
 
@@ -55,6 +59,7 @@ T_PREFLIGHT="${GPU_CHECK_TIMEOUT_PREFLIGHT:-30}"
 T_TESTS="${GPU_CHECK_TIMEOUT_TESTS:-120}"
 T_SIDE="${GPU_CHECK_TIMEOUT_SIDE:-60}"
 T_MEMORY="${GPU_CHECK_TIMEOUT_MEMORY:-100}"
+T_PHASES="${GPU_CHECK_TIMEOUT_PHASES:-120}"
 T_SPEED="${GPU_CHECK_TIMEOUT_SPEED:-150}"
 T_SCALING="${GPU_CHECK_TIMEOUT_SCALING:-300}"
 
@@ -244,6 +249,11 @@ add_pytest_row "$OUT_DIR/side_stream.xml"
 run_step "3 memory per stage" "$T_MEMORY" "$PY" benchmarks/memory.py "${MEMORY_ARGS[@]}" --out "$OUT_DIR"
 ROWS+=("${LAST_ROW% |}; writes \`memory_per_stage_*_$([ "$DRY_RUN" = 1 ] && echo tiny || echo gpt2-xl).{json,md}\` |")
 
+if [ "$DRY_RUN" = 1 ]; then PHASES_ARGS=(--gpu --model tiny --device cpu --out "$OUT_DIR/build_memory_cpu_dry")
+else PHASES_ARGS=(--gpu --device cuda --out "$OUT_DIR/build_memory_cuda"); fi
+run_step "3b per-phase memory" "$T_PHASES" "$PY" benchmarks/build_memory.py "${PHASES_ARGS[@]}"
+ROWS+=("${LAST_ROW% |}; writes \`build_memory_$([ "$DRY_RUN" = 1 ] && echo cpu_dry || echo cuda).{json,md}\` |")
+
 run_step "4 step time vs plain torch" "$T_SPEED" "$PY" benchmarks/speed.py "${SPEED_ARGS[@]}" --out "$OUT_DIR"
 ROWS+=("${LAST_ROW% |}; writes \`speed_vs_torch_plain_*.{json,md}\` |")
 
@@ -262,7 +272,7 @@ TOTAL=$(( $(date +%s) - START_EPOCH ))
   echo "- finished: $(date -u +%Y-%m-%dT%H:%M:%SZ), ${TOTAL} s in all; exit 124/137 = the step's timeout killed it"
   echo "- every step's output: log.txt; files here:"
   for f in "$OUT_DIR"/*; do [ -e "$f" ] && echo "  - $(basename "$f")"; done
-  for md in "$OUT_DIR"/memory_per_stage_*.md "$OUT_DIR"/speed_vs_torch_plain_*.md "$OUT_DIR"/scaling_*.md; do
+  for md in "$OUT_DIR"/memory_per_stage_*.md "$OUT_DIR"/build_memory_*.md "$OUT_DIR"/speed_vs_torch_plain_*.md "$OUT_DIR"/scaling_*.md; do
     [ -f "$md" ] || continue
     echo
     echo "## $(basename "$md")"
