@@ -16,6 +16,7 @@ import zerokit as zk
 from common import CheckpointedOddModel, OddBlock, OddModel, odd_batch, train_torch_ddp, train_zerokit
 from zerokit.commands.step import train_step
 from zerokit.launch import run_ranks
+from zerokit.core.params.unit import UnitState
 from zerokit.models import Block, build_model, preset
 
 STEPS, BATCH = 3, 3
@@ -279,8 +280,11 @@ def test_persistent_memory_is_16_psi_over_n(zero3_results, precision):
 
 
 def _peak_unsharded(model_cls, num_blocks, prefetch, reshard, steps=2):
-    """Largest unsharded parameter bytes alive during forward and during backward (measured at every module call,
-    every saved-tensor use and every gradient accumulation), and the unit sizes."""
+    """Largest parameter bytes of the units gathered or gathering during forward and during backward (measured at
+    every module call, every saved-tensor use and every gradient accumulation), and the unit sizes.
+
+    One process, so one rank: each unit's flat buffer is its shard (core/params/unit.py [Note: one rank]) and
+    allocates nothing; its state says what it would hold at N > 1, where gathering allocates."""
     model = _model(model_cls, num_blocks=num_blocks)
     engine = zk.shard(model, torch.optim.AdamW, stage=3, wrap=(OddBlock,), prefetch=prefetch,
                       reshard_after_forward=reshard, lr=1e-2)
@@ -288,10 +292,10 @@ def _peak_unsharded(model_cls, num_blocks, prefetch, reshard, steps=2):
     peak = collections.Counter()
 
     def sample(*_):
-        # Bytes of parameter storage really allocated: a sharded param's storage is 0 bytes.
-        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
+        alive = sum(flat.numel() * flat.element_size() for unit in engine.units
+                    if unit.state is not UnitState.SHARDED for flat in unit.flat_data)
         phase = "backward" if engine.tracker.in_backward else "forward"
-        peak[phase] = max(peak[phase], sum(storages.values()))
+        peak[phase] = max(peak[phase], alive)
 
     for m in model.modules():
         m.register_forward_pre_hook(sample)

@@ -41,12 +41,11 @@ from zerokit.checkpoint import Checkpointing
 from zerokit.core.config import ShardConfig
 from zerokit.core.engine import Engine
 from zerokit.core.params.flat_param import FlatParamLayout, FlatParamState, build_flat_params
-from zerokit.core.collectives.gather import free_storage
 from zerokit.core.grads.hooks import GradReadyTracker
 from zerokit.core.nest import tensors_in
 from zerokit.core.params.prefetch import RecordedOrder, reverse_first_calls
-from zerokit.core.params.unit import (Unit, eager, gathered, hand_over_all, packed_grads, prefetch, reshard_all,
-                               split_into_units)
+from zerokit.core.params.unit import (Unit, eager, gathered, hand_over_all, keep_shard, packed_grads, prefetch,
+                                     reshard_all, split_into_units)
 from zerokit.optim.sharded import ShardedOptimizer
 
 
@@ -75,10 +74,9 @@ class Zero3Engine(Checkpointing, Engine):
         fp32_values = []  # (shard_numel,) fp32 each, construction only: what the masters start from
         for fp in self.flat_params:
             data, fp32 = fp.flatten_params(policy.param_dtype)  # bf16/fp16 params (frozen too) when mixed
-            self.param_shards.append(fp.shard_of(data).clone())
             fp32_values.append(fp.shard_of(fp32).clone())  # (under fp32, data and fp32 are one tensor)
-            free_storage(data)  # the params stay views of it for good: core/params/unit.py [Note: storage, not .data]
-            self.flat_data.append(data)
+            self.param_shards.append(keep_shard(fp, data))  # and data's storage freed: core/params/unit.py
+            self.flat_data.append(data)  # the params stay views of it for good: [Note: storage, not .data] there
         self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
         for fp in self.flat_params:  # (padded_numel,) full gradients: None except while a flat param is
             # accumulated or reduce-scattered (or kept by no_sync); [Note: gradients packed when complete]
@@ -271,15 +269,15 @@ class Zero3Engine(Checkpointing, Engine):
         `write_back`). Make the same change on every rank. `writeback=False` promises the
         block only reads.
         """
-        with gathered(self.units):
+        with gathered(self.units, snapshot=writeback and self.policy.needs_master) as olds:
             try:
                 yield
             finally:
                 if writeback:
                     news = [fp.shard_of(self.flat_data[fp.index]) for fp in self.flat_params]  # (shard_numel,) each
-                    self.write_back(self.flat_params, self.param_shards, news)
-                    for old, new in zip(self.param_shards, news):
-                        old.copy_(new)
+                    self.write_back(self.flat_params, olds, news)
+                    for shard, new in zip(self.param_shards, news):
+                        shard.copy_(new)
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         out = {
@@ -288,7 +286,7 @@ class Zero3Engine(Checkpointing, Engine):
             "master_params": self.optimizer.master_tensors(),
             "optimizer_states": self.optimizer.state_tensors(),
         }
-        alive = [t for t in self.flat_data if t.untyped_storage().nbytes() > 0]
+        alive = [t for unit in self.units for t in unit.gathered_buffers()]
         if alive:
             out["unsharded_params"] = alive
         grads = [s.flat_grad for s in self.states if s.flat_grad is not None]
@@ -300,7 +298,7 @@ class Zero3Engine(Checkpointing, Engine):
 
     def unsharded_param_bytes(self) -> int:
         """Bytes of gathered parameter storage alive right now (the working set)."""
-        return sum(t.untyped_storage().nbytes() for t in self.flat_data)
+        return sum(t.untyped_storage().nbytes() for unit in self.units for t in unit.gathered_buffers())
 
     # 7. checkpoint hook ------------------------------------------------------------------
     def kept_range(self, fp: FlatParamLayout) -> tuple[int, int]:

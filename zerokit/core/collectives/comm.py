@@ -234,9 +234,10 @@ class Comm:
         assert input.numel() == output.numel() * self.world_size, (input.numel(), output.numel(), self.world_size)
         self._record("reduce_scatter", input, label, phase)
         self._count("reduce_scatter", _nbytes(input), phase)
-        if not self.distributed:
+        if not self.distributed or self.world_size == 1:  # simulated, or a group of one: this rank's range
             start = self.rank * output.numel()
-            output.copy_(input[start:start + output.numel()])
+            if not (self.world_size == 1 and output.data_ptr() == input.data_ptr()):  # in place at one rank
+                output.copy_(input[start:start + output.numel()])
             return _DONE
         with profiled("zerokit::reduce_scatter"), self.report_failure():
             if self.ordered:

@@ -62,6 +62,14 @@ None, as in torch. A bucket no backward reached since zero_grad steps on zeros, 
 (`grad_shards` allocates them), so the stages stay bitwise equal. What a rank holds after
 backward (the stages' formulas) is unchanged. Stage 1's grad shard is its range of the full
 gradient, which it keeps.
+
+[Note: one rank's grad shard]
+With one data-parallel rank the average is the gradient itself (divided by 1, which changes no
+bit) and a rank's range is the whole flat param. So where a stage frees the full gradient once
+reduced (stages 2-3) and the grad shard does not exist yet, the full gradient becomes the grad
+shard: no zeroed shard is allocated and nothing is copied (the reduce-scatter is then a copy of
+a buffer onto itself, which `Comm.reduce_scatter` skips). A second synced backward, a reduce
+dtype that differs from the param dtype and reduction="tree" take the general path.
 """
 from __future__ import annotations
 
@@ -239,6 +247,9 @@ class GradPath:
         self.in_flight.finish_arrived()  # completed ones free their buffers first (core/collectives/comm.py
         # [Note: finishing what has arrived])
         reduction = self.reductions[state.index] = self.grad_reduction(state, state.flat_grad)
+        if (state.grad_shard is None and not reduction.copied and not self.keeps_flat_grads
+                and self.comm.data_parallel_size == 1):  # [Note: one rank's grad shard]
+            self.new_grad_shard(state, state.flat_grad)
         reduction.reduce_scatter(self.grad_shard(state), accumulate=state.grad_shard_written)
         state.grad_shard_written = True
         frees = not self.keeps_flat_grads

@@ -14,6 +14,7 @@ a checkpoint or a loss.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -72,7 +73,7 @@ class FlatLayout:
             total += math.prod(shape)
         return cls(shapes, tuple(offsets), total, padded_numel(total, world_size), world_size)
 
-    @property
+    @functools.cached_property
     def numels(self) -> tuple[int, ...]:
         return tuple(math.prod(s) for s in self.shapes)
 

@@ -17,6 +17,14 @@ So each parameter is a view into one `flat_data` tensor for the engine's whole l
 gathering / freeing resizes that tensor's *storage* in place: every view, saved ones
 included, sees the re-gathered values, and freeing really returns the bytes.
 
+[Note: one rank]
+On one rank a flat param's shard is the whole flat param (padding < N elements is none), so the
+stage keeps its flat buffer as the param shard (`in_place`): gathering would copy a buffer onto
+itself and freeing would free the shard. Such a unit goes through the same states and hooks
+(its parameters refuse reads while it is "sharded", so code written at one rank runs at N),
+but allocates, gathers and frees nothing: no working set beside the shards and no copy in
+forward or backward, as FSDP1 runs unsharded at world size 1.
+
 [Note: a sharded parameter refuses reads]
 While its unit is sharded a parameter keeps its shape, dtype and device over a storage of 0
 bytes ([Note: storage, not .data]), and torch's kernels do not check a tensor's bytes against
@@ -132,6 +140,8 @@ class Unit:
         self.comm = comm
         self.gather_stream = gather_stream  # CUDA: gathers run on this side stream
         self.reduce = reduce
+        # One rank: each flat buffer is its param shard, never freed nor gathered ([Note: one rank])
+        self.in_place = all(flat is shard for flat, shard in zip(flat_data, param_shards))
         self.held: list = []  # complete gradients (the stage's flat param states) not yet handed to `reduce`
         self.state = UnitState.SHARDED
         self._handles: list = []  # in-flight all-gathers (GATHERING, no side stream)
@@ -156,6 +166,11 @@ class Unit:
         self.reset_backward()
         self._show_params(sharded=True)  # the stage built the unit sharded
 
+    def gathered_buffers(self) -> list[torch.Tensor]:
+        """The flat buffers alive beside the shards now (the working set): none while sharded, nor ever at
+        one rank, where each buffer is its shard ([Note: one rank])."""
+        return [] if self.in_place else [t for t in self.flat_data if t.untyped_storage().nbytes() > 0]
+
     def _show_params(self, sharded: bool) -> None:
         """Switch the parameters' class: refusing reads while sharded, their own when gathered."""
         for p, own, guarded in self._classes:
@@ -165,6 +180,9 @@ class Unit:
     def start_unshard(self, phase: str) -> None:
         """Allocate the flat buffers and launch their all-gathers (async): SHARDED -> GATHERING."""
         assert self.state is UnitState.SHARDED, (self.name, self.state)
+        if self.in_place:  # nothing to allocate or gather: [Note: one rank]
+            self.state = UnitState.GATHERING
+            return
         for flat in self.flat_data:
             _alloc_storage(flat)  # on the compute stream; see below
         if self.gather_stream is None:  # a unit's flat params (trainable, frozen, per group), issued together
@@ -190,10 +208,9 @@ class Unit:
         """GATHERING -> UNSHARDED: the CPU waits for the gathers (gloo), or the GPU does (a CUDA event)."""
         if self.state is not UnitState.GATHERING:
             return
-        if self.gather_stream is None:
-            for handle in self._handles:
-                handle.wait()
-        else:
+        for handle in self._handles:
+            handle.wait()
+        if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
         self._handles, self._event = [], None
         self.state = UnitState.UNSHARDED
@@ -210,7 +227,7 @@ class Unit:
         if self.state is UnitState.SHARDED:
             return
         self.wait_unshard()  # never free memory a gather is still writing
-        for flat in self.flat_data:
+        for flat in self.flat_data if not self.in_place else ():
             free_storage(flat)
         self.state = UnitState.SHARDED
         self._show_params(sharded=True)
@@ -354,17 +371,32 @@ def split_into_units(module: nn.Module, wrap: WrapPolicy,
 
 
 # ---------------------------------------------------------------------- stage 3's helpers
+def keep_shard(fp: FlatParamLayout, data: torch.Tensor) -> torch.Tensor:
+    """Stage 3's construction: this rank's (shard_numel,) range of flat buffer `data`, a persistent copy, and
+    `data`'s storage freed (the unit starts sharded); at one rank `data` itself ([Note: one rank])."""
+    if fp.layout.world_size == 1:
+        return data
+    shard = fp.shard_of(data).clone()
+    free_storage(data)
+    return shard
+
+
 @contextlib.contextmanager
-def gathered(units: list[Unit]) -> Iterator[None]:
+def gathered(units: list[Unit], snapshot: bool = False) -> Iterator[list[torch.Tensor]]:
     """Every unit whole inside the block (summon_full_params). A unit already gathered (between forward and
     backward: the root, units kept by reshard_after_forward=False, a prefetched one) is used as it is and
     stays gathered, in the same storage, so the views autograd saved from it stay valid for backward;
-    every other unit is freed after the block."""
+    every other unit is freed after the block.
+
+    Yields every unit's param shards in order, as they were before the block: the shards themselves,
+    which the block does not change, except at one rank, where the block changes them in place
+    ([Note: one rank]) and, with `snapshot`, a copy is yielded instead."""
     was_gathered = [unit.state is not UnitState.SHARDED for unit in units]
+    before = [s.clone() if snapshot and unit.in_place else s for unit in units for s in unit.param_shards]
     for unit in units:
         unit.unshard("summon")  # a prefetch in flight completes here; it stays gathered
     try:
-        yield
+        yield before
     finally:
         for unit, keep in zip(units, was_gathered):
             if not keep:
@@ -396,9 +428,16 @@ def prefetch(units: list[Unit], upcoming: list[int], phase: str) -> None:
 def packed_grads(fp: FlatParamLayout) -> torch.Tensor:
     """The params' own gradients added into a zeroed (padded_numel,) full gradient; `.grad` becomes its views
     and autograd's tensors go (stages/zero3.py [Note: gradients packed when complete])."""
-    grad = fp.new_flat()  # (padded_numel,) zeros; a param no gradient reached keeps its zeros
-    js = [j for j, p in enumerate(fp.params) if p.grad is not None]
-    fp.write_params(grad, js, [fp.params[j].grad for j in js], add=True)  # 0 + g: autograd's accumulation
+    grad = torch.empty(fp.padded_numel, dtype=fp.dtype, device=fp.device)  # (padded_numel,)
+    for j, p in enumerate(fp.params):  # the ranges lie back to back from 0 to numel
+        view = fp.param_view(grad, j)
+        if p.grad is None or p.grad.layout != torch.strided:
+            view.zero_()  # a param no gradient reached has zeros
+            if p.grad is not None:  # a sparse gradient (nn.Embedding(sparse=True)) adds onto them
+                view.add_(p.grad)
+        else:  # 0 + g, written in one pass: the bits of autograd's accumulation into a zeroed view (-0 becomes 0)
+            torch.add(p.grad, 0.0, out=view)
+    grad[fp.layout.numel:].zero_()  # the padding
     fp.use_as_grad_storage(grad)
     return grad
 
