@@ -137,7 +137,7 @@ def _reduced_gradient_is_exact(rank, world_size, stage, corpus):
         assert got.dtype == torch.float32, got.dtype
         exact = torch.equal(got, fp.shard_of(expected))
         if stage == 0:  # the whole averaged gradient lives in its all-reduce group's reduce-dtype buffer until step
-            averaged = engine.averaged_grad(fp)
+            averaged = engine.full_grads.averaged(fp)
             buffers = {t.untyped_storage().data_ptr() for t in engine.comm_buffer_tensors()}
             exact = exact and torch.equal(averaged, expected) and averaged.untyped_storage().data_ptr() in buffers
         # The check can tell fp32 from bf16: some averages are not representable in bf16.

@@ -40,7 +40,7 @@ from zerokit.checkpoint import Checkpointing
 from zerokit.core.config import ShardConfig
 from zerokit.core.engine import Engine
 from zerokit.core.params.flat_param import FlatParamLayout, FlatParamState, build_flat_params
-from zerokit.core.grads.grad_reduce import AllReduceGroup, all_reduce_groups
+from zerokit.core.grads.grad_reduce import AllReduceGroup, AllReducedGrads
 from zerokit.core.grads.hooks import GradReadyTracker
 from zerokit.optim.sharded import ShardedOptimizer
 
@@ -63,13 +63,11 @@ class DDPEngine(Checkpointing, Engine):
             self.flat_data.append(data)
             fp32_values.append(fp32)
         self.trainable = [fp for fp in self.flat_params if fp.requires_grad]
-        # Consecutive trainable buckets share one gradient buffer and one all-reduce: core/grads/grad_reduce.py
-        # [Note: all-reduce groups].
-        self.groups = all_reduce_groups(self.trainable, config.bucket_numel)
-        self.group_of = {fp.index: group for group in self.groups for fp in group.members}
-        for fp, state in zip(self.flat_params, self.states):  # (padded_numel,) full gradients, for good:
-            state.flat_grad = self.group_of[fp.index].grad_of(fp) if fp.requires_grad else None  # group views
-            fp.use_as_grad_storage(state.flat_grad)
+        # (padded_numel,) full gradients, for good; consecutive trainable buckets share one gradient buffer and one
+        # all-reduce: core/grads/grad_reduce.py [Note: all-reduce groups]
+        self.full_grads = AllReducedGrads(self.flat_params, self.states, config.bucket_numel, self.reductions,
+                                          lambda: self.loss_scale)
+        self.groups = self.full_grads.groups
         self.optimizer = ShardedOptimizer(
             optimizer_cls, optimizer_kwargs,
             param_shards=[self.flat_data[fp.index] for fp in self.trainable],  # the whole buffer: replicated
@@ -82,7 +80,7 @@ class DDPEngine(Checkpointing, Engine):
     # 2. gradient hook ---------------------------------------------------------------
     def _on_grads_ready(self, fp: FlatParamLayout) -> None:
         """A bucket's gradients are all accumulated; once its group's are, the group is reduced (core/engine.py)."""
-        group = self.group_of[fp.index]
+        group = self.full_grads.group_of[fp.index]
         if fp is group.members[-1]:  # buckets are released in order (core/grads/hooks.py): the group's last one comes last
             self.reduce_or_hold(group)
 
@@ -91,12 +89,8 @@ class DDPEngine(Checkpointing, Engine):
         its reduce-dtype copy (or, under reduction="tree", in the partial sum of the step's micro-batches)."""
         reduction = self.reductions[group.index] = self.grad_reduction(group, group.flat_grad)
         reduction.all_reduce()
-        if reduction.copied or self.loss_scaler is not None:
-            # `.grad` shows the average (not the bucket's local sum), and under fp16 unscaled
-            # norms: a replicated ShardedGrad (core/params/sharded_tensors.py), so that
-            # torch.nn.utils.clip_grad_norm_ equals engine.clip_grad_norm_.
-            for fp in group.members:
-                fp.show_grads(fp.sharded_grads(group.grad_of(fp, reduction.result), None, lambda: self.loss_scale))
+        if reduction.copied or self.loss_scaler is not None:  # the average is not what the buckets hold
+            self.full_grads.show_average(group)
         self.in_flight.push(reduction)
 
     # 3. finish backward: wait for every all-reduce (core/engine.py) ---------------------
@@ -106,40 +100,19 @@ class DDPEngine(Checkpointing, Engine):
         """Update every parameter on every rank (replicated optimizer). False if fp16 skipped it."""
         self.finish_backward()
         self.check_user_grads_before_step()
-        stepped = self.optimizer.apply([self.averaged_grad(fp) for fp in self.trainable], self.take_clip_coef())
-        self.drop_reductions()
+        stepped = self.optimizer.apply([self.full_grads.averaged(fp) for fp in self.trainable],
+                                       self.take_clip_coef())
+        self.full_grads.forget_reductions()  # and `.grad` shows the buckets again
         return stepped
-
-    def averaged_grad(self, fp: FlatParamLayout) -> torch.Tensor:
-        """What the step reads for a bucket: its gradient buffer, or its part of the reduce-dtype copy its group's
-        all-reduce averaged (that copy is a new tensor; the buffer itself is returned as the same object)."""
-        group = self.group_of[fp.index]
-        reduction = self.reductions.get(group.index)
-        if reduction is None or reduction.result is group.flat_grad:
-            return self.states[fp.index].flat_grad
-        return group.grad_of(fp, reduction.result)
 
     def adopt_assigned_grads(self, fp: FlatParamLayout, replaced: list[int]) -> None:
         """A tensor assigned to `.grad` after backward is what a torch optimizer would read: so do we."""
-        grad = self.averaged_grad(fp)
-        fp.write_params(grad, replaced, [fp.params[j].grad for j in replaced])
-        if grad is self.states[fp.index].flat_grad:
-            fp.use_as_grad_storage(grad)
-        else:
-            fp.show_grads(fp.sharded_grads(grad, None, lambda: self.loss_scale))
-
-    def drop_reductions(self) -> None:
-        """Forget the step's reductions (and their reduce-dtype copies); `.grad` shows the buckets again."""
-        for index, reduction in self.reductions.items():
-            if reduction.copied:
-                for fp in self.groups[index].members:
-                    fp.use_as_grad_storage(self.states[fp.index].flat_grad)
-        self.reductions.clear()
+        self.full_grads.adopt_assigned(fp, replaced)
 
     # 5. zero_grad ------------------------------------------------------------------------
     def zero_grad(self) -> None:
         self.begin_zero_grad()  # a pass that raised, the clip coefficient, the tree's partial sums: core/engine.py
-        self.drop_reductions()
+        self.full_grads.forget_reductions()
         for fp in self.trainable:
             state = self.states[fp.index]
             state.flat_grad.zero_()
@@ -149,4 +122,4 @@ class DDPEngine(Checkpointing, Engine):
     def norm_shards(self) -> list[torch.Tensor]:
         # Every rank holds the whole gradient; each sums only its own range so that the
         # norm is computed exactly as the sharded stages compute it.
-        return [fp.shard_of(self.averaged_grad(fp)) for fp in self.trainable]
+        return [fp.shard_of(self.full_grads.averaged(fp)) for fp in self.trainable]

@@ -83,7 +83,7 @@ from zerokit.core.collectives.gather import free_storage
 from zerokit.core.params.flat_param import FlatParamLayout, summarize_names
 from zerokit.core.collectives.tree import PartialSums
 
-__all__ = ["GradReduction", "AllReduceGroup", "all_reduce_groups", "GradPath"]
+__all__ = ["GradReduction", "AllReduceGroup", "all_reduce_groups", "AllReducedGrads", "GradPath"]
 
 
 def _send_buffer(grad: torch.Tensor, divisor: int, reduce_dtype: torch.dtype) -> torch.Tensor:
@@ -191,6 +191,57 @@ def all_reduce_groups(trainable: list[FlatParamLayout], bucket_numel: int) -> li
     """Stage 0's all-reduce groups of the trainable buckets, in order ([Note: all-reduce groups])."""
     plan = plan_all_reduce_groups([fp.padded_numel for fp in trainable], [fp.dtype for fp in trainable], bucket_numel)
     return [AllReduceGroup(k, [trainable[i] for i in members]) for k, members in enumerate(plan)]
+
+
+class AllReducedGrads:
+    """Stage 0's gradients: every trainable bucket's full gradient for good, the buckets of an all-reduce
+    group back to back in its buffer ([Note: all-reduce groups]), and where a bucket's average is during a
+    step: in that buffer, or from the group's all-reduce to `forget_reductions` in its reduce-dtype copy
+    ([Note: reduce dtype]). `reductions` is the engine's (group index -> GradReduction); `loss_scale` reads
+    its current scale, for the ShardedGrads `.grad` shows over a copy."""
+
+    def __init__(self, flat_params: list[FlatParamLayout], states: list, bucket_numel: int,
+                 reductions: dict[int, GradReduction], loss_scale: Callable[[], float]):
+        self.groups = all_reduce_groups([fp for fp in flat_params if fp.requires_grad], bucket_numel)
+        self.group_of = {fp.index: group for group in self.groups for fp in group.members}
+        self.states, self.reductions, self.loss_scale = states, reductions, loss_scale
+        for fp, state in zip(flat_params, states):  # (padded_numel,) full gradients, views of their group's
+            state.flat_grad = self.group_of[fp.index].grad_of(fp) if fp.requires_grad else None
+            fp.use_as_grad_storage(state.flat_grad)
+
+    def show_average(self, group: AllReduceGroup) -> None:
+        """`.grad` shows the group's average (not the buckets' local sums), and under fp16 unscaled norms: a
+        replicated ShardedGrad (core/params/sharded_tensors.py), so that torch.nn.utils.clip_grad_norm_
+        equals engine.clip_grad_norm_."""
+        result = self.reductions[group.index].result
+        for fp in group.members:
+            fp.show_grads(fp.sharded_grads(group.grad_of(fp, result), None, self.loss_scale))
+
+    def averaged(self, fp: FlatParamLayout) -> torch.Tensor:
+        """What the step reads for a bucket: its gradient buffer, or its part of the reduce-dtype copy its group's
+        all-reduce averaged (that copy is a new tensor; the buffer itself is returned as the same object)."""
+        group = self.group_of[fp.index]
+        reduction = self.reductions.get(group.index)
+        if reduction is None or reduction.result is group.flat_grad:
+            return self.states[fp.index].flat_grad
+        return group.grad_of(fp, reduction.result)
+
+    def adopt_assigned(self, fp: FlatParamLayout, replaced: list[int]) -> None:
+        """Tensors user code assigned to `.grad` after backward go where the step reads them."""
+        grad = self.averaged(fp)
+        fp.write_params(grad, replaced, [fp.params[j].grad for j in replaced])
+        if grad is self.states[fp.index].flat_grad:
+            fp.use_as_grad_storage(grad)
+        else:
+            fp.show_grads(fp.sharded_grads(grad, None, self.loss_scale))
+
+    def forget_reductions(self) -> None:
+        """The step's reductions (and their reduce-dtype copies) go; `.grad` shows the buckets again."""
+        for index, reduction in self.reductions.items():
+            if reduction.copied:
+                for fp in self.groups[index].members:
+                    fp.use_as_grad_storage(self.states[fp.index].flat_grad)
+        self.reductions.clear()
 
 
 class GradPath:
