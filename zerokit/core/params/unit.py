@@ -426,8 +426,9 @@ def prefetch(units: list[Unit], upcoming: list[int], phase: str) -> None:
 
 
 def packed_grads(fp: FlatParamLayout) -> torch.Tensor:
-    """The params' own gradients added into a zeroed (padded_numel,) full gradient; `.grad` becomes its views
-    and autograd's tensors go (stages/zero3.py [Note: gradients packed when complete])."""
+    """The params' own gradients written as 0 + g into a new (padded_numel,) full gradient (zeros where no gradient
+    reached, and in the padding); `.grad` becomes its views and autograd's tensors go (stages/zero3.py [Note:
+    gradients packed when complete])."""
     grad = torch.empty(fp.padded_numel, dtype=fp.dtype, device=fp.device)  # (padded_numel,)
     for j, p in enumerate(fp.params):  # the ranges lie back to back from 0 to numel
         view = fp.param_view(grad, j)
